@@ -1,0 +1,1 @@
+"""Experiment definitions (YAML), shipped inside the package as ``moe_lab.experiments``."""

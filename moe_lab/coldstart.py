@@ -1,0 +1,197 @@
+"""Cold start: supervised warm-up of a fresh (or loaded) MoE policy on task demonstrations, cached on disk.
+
+RL from a random policy gets reward 0 on every sample and hence no signal; the paper starts from a model
+that already solves part of its tasks. We stop warming up at a modest sampled accuracy (target_accuracy,
+default 0.3) so that RL still has room to improve and its stability can be compared across algorithms.
+
+The result (model + tokenizer, safetensors) lives in ``cache_dir/<key>``, where the key hashes every
+setting that changes the weights. It is trained in a temporary folder and renamed into place, so a
+reader sees a complete entry or none, and concurrent workers computing the same key agree: the first
+rename wins and the others reuse its entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from moe_lab.config import RunConfig, validate
+from moe_lab.models import build_model, load_model
+from moe_lab.rollout import accuracy, forward_logits, token_logprobs
+from moe_lab.tasks import Task, encode_response, get_task
+
+# Bump when the training recipe changes in a way the config cannot see: old cache entries then go stale.
+FORMAT_VERSION = 1
+META_FILE = "coldstart.json"
+
+
+def cache_key(cfg: RunConfig) -> str:
+    """sha256 of the canonical JSON of everything that determines the warmed-up weights (not cache_dir)."""
+    coldstart = dataclasses.asdict(cfg.coldstart)
+    coldstart.pop("cache_dir")
+    payload = {"format": FORMAT_VERSION, "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
+               "coldstart": coldstart}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    return Path(cfg.coldstart.cache_dir).expanduser()
+
+
+# --------------------------------------------------------------------------- supervised step
+
+
+def demonstration_batch(task: Task, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts left-padded, demonstrations (+ EOS) right-padded: the layout of a rollout batch.
+
+    Returns input_ids_BS, attention_mask_BS and response_mask_BT (True where token t+1 is a response token,
+    the column convention of rollout.token_logprobs).
+    """
+    tok = task.tokenizer
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    resp_ids = [encode_response(tok, task.demonstration(p)) for p in prompts]
+    P, N = max(map(len, prompt_ids)), max(map(len, resp_ids))
+    ids_BS = torch.full((len(prompts), P + N), tok.pad_token_id, dtype=torch.long)
+    mask_BS = torch.zeros_like(ids_BS)
+    for b, (p, r) in enumerate(zip(prompt_ids, resp_ids)):
+        ids_BS[b, P - len(p):P], ids_BS[b, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
+        mask_BS[b, P - len(p):P + len(r)] = 1
+    resp_BS = torch.zeros_like(mask_BS, dtype=torch.bool)
+    resp_BS[:, P:] = mask_BS[:, P:].bool()
+    return ids_BS, mask_BS, resp_BS[:, 1:]
+
+
+def sft_loss(model, ids_BS: torch.Tensor, mask_BS: torch.Tensor, resp_BT: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced cross-entropy, mean over response tokens only (prompt and padding carry no loss)."""
+    logits_BTV = forward_logits(model, ids_BS, mask_BS).logits
+    logp_BT = token_logprobs(logits_BTV, ids_BS)
+    # where, not a product with the mask: a padding row's logits are never allowed to leak (even as NaN * 0)
+    return -torch.where(resp_BT, logp_BT, 0.0).sum() / resp_BT.sum().clamp(min=1)
+
+
+def sft_step(model, optimizer: torch.optim.Optimizer, task: Task, prompts: list[str]) -> float:
+    """One AdamW step on the demonstrations of `prompts`; returns the loss before the step."""
+    loss = sft_loss(model, *demonstration_batch(task, prompts))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def sampled_accuracy(model, task: Task, n: int) -> float:
+    """Mean reward of one temperature-1 sample on n eval prompts (the eval set cycled if n exceeds it)."""
+    prompts = list(itertools.islice(itertools.cycle(task.eval_prompts()), n))
+    return accuracy(model, task, prompts, greedy=False, temperature=1.0)
+
+
+# --------------------------------------------------------------------------- warm-up loop
+
+
+def warm_up(model, task: Task, cfg: RunConfig, *, progress: bool = False) -> dict:
+    """Train until sampled accuracy >= target_accuracy (checked every eval_every steps) or max_steps.
+
+    Evaluates before the first step too, so a checkpoint that already meets the target is left untouched.
+    """
+    cs = cfg.coldstart
+    rng = np.random.default_rng(cfg.model.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cs.lr)
+    bar = tqdm(total=cs.max_steps, desc="cold start", leave=False, disable=not (progress and sys.stderr.isatty()))
+    history, step, loss, t0 = [], 0, None, time.perf_counter()
+    while True:
+        if step % cs.eval_every == 0 or step == cs.max_steps:
+            acc = sampled_accuracy(model, task, cs.eval_samples)
+            history.append({"step": step, "accuracy": acc, "loss": loss})
+            bar.set_postfix(loss=loss, acc=acc)
+            if acc >= cs.target_accuracy or step == cs.max_steps:
+                break
+        loss = sft_step(model, optimizer, task, task.sample_prompts(cs.batch_size, rng))
+        step += 1
+        bar.update()
+    bar.close()
+    if acc < cs.target_accuracy:
+        warnings.warn(f"cold start stopped at coldstart.max_steps={cs.max_steps} with sampled accuracy {acc:.3f} "
+                      f"< coldstart.target_accuracy={cs.target_accuracy}", RuntimeWarning, stacklevel=3)
+    return {"steps": step, "accuracy": acc, "reached": acc >= cs.target_accuracy,
+            "seconds": time.perf_counter() - t0, "history": history}
+
+
+def _initial_model(cfg: RunConfig, task: Task):
+    tok = task.tokenizer
+    if cfg.model.checkpoint is None:
+        return build_model(cfg.model, len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id)
+    model = load_model(cfg.model.checkpoint, experts_impl=cfg.model.experts_impl)
+    vocab = model.get_input_embeddings().num_embeddings
+    if vocab != len(tok):
+        raise ValueError(f"model.checkpoint={cfg.model.checkpoint!r}: its embedding has {vocab} tokens, allowed: "
+                         f"the task vocabulary's {len(tok)}")
+    return model
+
+
+def _check_lengths(cfg: RunConfig, task: Task) -> None:
+    need = task.prompt_tokens + task.max_new_tokens
+    if need > cfg.model.max_positions:
+        raise ValueError(f"model.max_positions={cfg.model.max_positions}: task {task.name} with task.length="
+                         f"{task.length} needs {need} positions (prompt + response); allowed: >= {need}")
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Rename tmp to final; if another worker got there first, drop ours and reuse theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not (final / META_FILE).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> Path:
+    """Directory of the warmed-up model + tokenizer for cfg (load with models.load_model / from_pretrained).
+
+    cache=True returns an existing entry at once or trains and publishes one; cache=False ignores the cache
+    and trains into a new ``uncached-*`` folder beside it. Same config -> same weights: the init, the
+    demonstrations and the evaluation samples are all seeded from cfg.model.seed. The caller's torch RNG
+    state is left as it was.
+    """
+    validate(cfg)
+    task = get_task(cfg.task)
+    _check_lengths(cfg, task)
+    key, root = cache_key(cfg), cache_root(cfg)
+    final = root / key
+    if cache and (final / META_FILE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key[:16]}-" if cache else f"uncached-{key[:16]}-"))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.model.seed)
+            model = _initial_model(cfg, task)
+            model.train(False)  # no dropout or router jitter: RL compares forwards of this same model
+            meta = warm_up(model, task, cfg, progress=progress)
+        model.save_pretrained(tmp)
+        task.tokenizer.save_pretrained(tmp)
+        meta.update(format=FORMAT_VERSION, key=key, task=task.name, model_seed=cfg.model.seed)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, final) if cache else tmp

@@ -1,0 +1,283 @@
+"""Typed configuration: one dataclass per concern, one documented and validated field each.
+
+Every field is declared with :func:`param`, which carries its help text and its allowed values, so that
+validation, the README's field table and the command-line overrides all read the same declaration.
+Nothing here imports torch or the runner: a config can be checked before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config field out of range, unknown or of the wrong type; the message names the field."""
+
+
+def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
+          gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field with its help text and allowed values (read by validate() and the docs)."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    family: str = param("qwen3_moe", "transformers MoE family of the policy (built with random init)",
+                        choices=("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"))
+    checkpoint: str | None = param(None, "local checkpoint directory to load instead of building from this config "
+                                         "(offline: nothing is downloaded)")
+    num_layers: int = param(4, "decoder layers (all MoE)", ge=1, le=128)
+    hidden_size: int = param(128, "model width", ge=8)
+    num_heads: int = param(4, "attention heads; hidden_size must be divisible by it", ge=1)
+    num_kv_heads: int = param(2, "key/value heads (GQA); num_heads must be divisible by it", ge=1)
+    num_experts: int = param(8, "routed experts per MoE layer", ge=2, le=1024)
+    top_k: int = param(2, "experts activated per token", ge=1)
+    moe_intermediate_size: int = param(128, "hidden width of one routed expert", ge=1)
+    intermediate_size: int = param(256, "hidden width of dense/shared-expert MLPs where the family has them", ge=1)
+    max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
+    experts_impl: str = param("grouped_mm", "transformers experts kernel; batched_mm is ~50x slower on CPU and refused",
+                              choices=("grouped_mm", "eager"))
+    seed: int = param(0, "seed of the random initialisation", ge=0)
+
+
+@dataclass
+class TaskConfig:
+    name: str = param("sort", "task with a verifiable reward",
+                      choices=("sort", "addition", "reverse", "long_addition"))
+    length: int = param(16, "problem size: digits to sort, string length to reverse, or digits per addend", ge=1, le=64)
+    partial_credit: bool = param(False, "reward = share of correct answer characters instead of exact match (0/1)")
+    eval_size: int = param(128, "held-out evaluation prompts (disjoint from training prompts)", ge=1)
+
+
+@dataclass
+class ColdStartConfig:
+    target_accuracy: float = param(0.3, "stop supervised warm-up once sampled accuracy (T=1) reaches this, "
+                                        "so RL still has room to improve", ge=0.0, le=1.0)
+    max_steps: int = param(3000, "upper bound on supervised steps", ge=0)
+    batch_size: int = param(64, "demonstrations per supervised step", ge=1)
+    lr: float = param(3e-3, "AdamW learning rate of the warm-up", gt=0.0)
+    eval_every: int = param(5, "supervised steps between accuracy checks (sampled accuracy jumps fast: a coarse "
+                                "check overshoots the target)", ge=1)
+    eval_samples: int = param(128, "prompts sampled for each accuracy check", ge=1)
+    cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
+
+
+@dataclass
+class RLConfig:
+    algo: str = param("grpo", "policy objective", choices=("grpo", "gspo", "gspo_token", "gspo_unnormalized"))
+    replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
+                                "rollout (R3: routing recorded during generation)", choices=("none", "old", "rollout"))
+    clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO 3e-4)", ge=0.0, lt=1.0)
+    clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO 4e-4)", ge=0.0)
+    loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences",
+                          choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
+    dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages; None = off", gt=1.0)
+    old_logp: str = param("old_forward", "source of logp_old: a forward pass of the old policy, or the rollout's own "
+                                          "log-probs (the paper's section 5.4 option)", choices=("old_forward", "rollout"))
+    steps: int = param(40, "RL steps (one rollout batch each)", ge=1)
+    prompts_per_step: int = param(16, "prompts per rollout batch (B)", ge=1)
+    group_size: int = param(8, "responses per prompt (G)", ge=2)
+    minibatches: int = param(4, "optimizer steps per rollout batch (the paper uses 4)", ge=1)
+    temperature: float = param(1.0, "sampling temperature of the rollout", gt=0.0)
+    lr: float = param(1e-3, "AdamW learning rate", gt=0.0)
+    router_lr_mult: float = param(1.0, "learning-rate multiplier of the router weights (volatility knob)", gt=0.0)
+    warmup_steps: int = param(2, "linear learning-rate warmup in optimizer steps", ge=0)
+    weight_decay: float = param(0.0, "AdamW weight decay", ge=0.0)
+    grad_clip: float = param(1.0, "max global gradient norm; 0 = off", ge=0.0)
+    std_normalize: bool = param(True, "divide group-centred rewards by their std (False = Dr.GRPO mean-only)")
+    whiten: str = param("group", "normalisation scope of advantages", choices=("group", "batch"))
+    reward_clip: float | None = param(None, "clamp rewards to [-c, c]; None = off", gt=0.0)
+    adv_clip: float | None = param(None, "clamp advantages to [-c, c]; None = off", gt=0.0)
+    kl_coef: float = param(0.0, "KL-to-reference coefficient (the GSPO authors use 0)", ge=0.0)
+    kl_kind: str = param("k3", "KL estimator", choices=("k1", "k2", "k3"))
+    kl_mode: str = param("loss", "KL as a loss term or as a per-token reward penalty", choices=("loss", "reward"))
+    aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient during RL (default off)", ge=0.0)
+    router_noise: float = param(0.0, "std of Gaussian noise added to router logits in training passes "
+                                     "(volatility knob)", ge=0.0)
+    rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
+                                          "rollout-vs-train mismatch", choices=("float32", "bfloat16"))
+    eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
+    checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    seed: int = param(0, "seed of the RL run (sampling, minibatch order); the cold start has its own in model.seed",
+                      ge=0)
+    threads: int = param(1, "torch intra-op threads of one run (parallel runs share the cores)", ge=1)
+
+
+PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4)}
+
+
+def resolved_clip(rl: RLConfig) -> tuple[float, float]:
+    """The clip range in force: the config's, or the paper's default for the algorithm."""
+    low, high = PAPER_CLIP[rl.algo]
+    return (low if rl.clip_low is None else rl.clip_low, high if rl.clip_high is None else rl.clip_high)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _allowed(meta: dict) -> str:
+    if meta.get("choices"):
+        return "one of " + ", ".join(map(str, meta["choices"]))
+    parts = [f"{op} {meta[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if meta.get(k) is not None]
+    return " and ".join(parts) or "any value of the declared type"
+
+
+def _check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
+    if not _type_ok(value, tp):
+        raise ConfigError(f"{name}: expected {tp}, got {value!r}")
+    if value is None:
+        return
+    bad = (meta.get("choices") and value not in meta["choices"]) \
+        or (meta.get("ge") is not None and value < meta["ge"]) or (meta.get("gt") is not None and value <= meta["gt"]) \
+        or (meta.get("le") is not None and value > meta["le"]) or (meta.get("lt") is not None and value >= meta["lt"])
+    if bad:
+        raise ConfigError(f"{name}={value!r} is out of range: allowed {_allowed(meta)}")
+
+
+def _walk(cfg: Any, prefix: str = ""):
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _walk(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value, hints[f.name], dict(f.metadata)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check every field, then the cross-field rules; raise ConfigError naming the first bad field."""
+    for name, value, tp, meta in _walk(cfg):
+        _check_field(name, value, tp, meta)
+    m, rl = cfg.model, cfg.rl
+    if m.top_k > m.num_experts:
+        raise ConfigError(f"model.top_k={m.top_k} is out of range: allowed 1 <= top_k <= model.num_experts={m.num_experts}")
+    if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads}: hidden_size ({m.hidden_size}) must be divisible by num_heads "
+                          f"and num_heads by num_kv_heads ({m.num_kv_heads})")
+    batch = rl.prompts_per_step * rl.group_size
+    if batch % rl.minibatches:
+        raise ConfigError(f"rl.minibatches={rl.minibatches}: must divide prompts_per_step*group_size={batch}")
+    if rl.replay == "old" and rl.old_logp == "rollout":
+        raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
+                          "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
+    low, high = resolved_clip(rl)
+    if not (0.0 <= low < 1.0 and high >= 0.0):
+        raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
+    return cfg
+
+
+# --------------------------------------------------------------------------- dict / YAML / overrides
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any:
+    """Build a dataclass from a (YAML) dict; unknown keys are errors that name the allowed ones."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown field; allowed: {', '.join(sorted(names))}")
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(data[f.name], dict):
+                raise ConfigError(f"{prefix}{f.name}: expected a mapping of fields, got {data[f.name]!r}")
+            kwargs[f.name] = from_dict(data[f.name], tp, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = data[f.name]
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        try:  # PyYAML reads "1e-4" (no dot) as a string; users mean a number
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    """data[a][b] = value for key 'a.b', creating sections as needed."""
+    node = data
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.field=value` overrides (values parsed as YAML scalars) to a config dict."""
+    out = yaml.safe_load(yaml.safe_dump(data or {}))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected the form section.field=value, e.g. rl.algo=gspo")
+        key, text = item.split("=", 1)
+        set_dotted(out, key, _parse_scalar(text))
+    return out
+
+
+def load_yaml(path: str) -> dict:
+    """Read YAML with the safe loader: a config from someone else never runs code."""
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def field_table(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(name, default, allowed, help) for every field: the README's config table is generated from this."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += field_table(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((f"{prefix}{f.name}", repr(default), _allowed(dict(f.metadata)), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,94 @@
+"""Experiment files: a base config, arms, optional sweeps and seeds, expanded into run cells.
+
+An experiment YAML::
+
+    name: paper
+    description: ...
+    base: {rl: {steps: 40}}            # RunConfig fields shared by every cell
+    arms:                              # arm name -> overrides of base
+      grpo: {rl: {algo: grpo}}
+      gspo: {rl: {algo: gspo}}
+    sweep: {rl.router_lr_mult: [1, 10]}  # optional: every arm x every point (cartesian)
+    seeds: [0, 1, 2]
+
+An arm may carry its own list of points under ``_points`` (e.g. clip ranges that differ per algorithm):
+``gspo: {rl: {algo: gspo}, _points: [{rl.clip_low: 1e-4, rl.clip_high: 1.3e-4}, ...]}``.
+Every cell's config is validated before any cell runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
+
+TOP_KEYS = ("name", "description", "base", "arms", "sweep", "seeds")
+
+
+@dataclass(frozen=True)
+class Cell:
+    run_id: str
+    arm: str
+    seed: int
+    config: RunConfig
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _points(spec: dict | None) -> list[dict[str, Any]]:
+    """Cartesian product of a {dotted.field: [values]} mapping, as a list of {dotted.field: value}."""
+    if not spec:
+        return [{}]
+    for key, values in spec.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep.{key}: expected a non-empty list of values, got {values!r}")
+    keys = list(spec)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(spec[k] for k in keys))]
+
+
+def _label(point: dict[str, Any]) -> str:
+    return "".join(f"__{k}={_fmt(v)}" for k, v in point.items())
+
+
+def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = None,
+           seeds: list[int] | None = None) -> list[Cell]:
+    """All cells of an experiment, validated; command-line overrides apply to every cell, last."""
+    unknown = set(exp) - set(TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"experiment: unknown key(s) {sorted(unknown)}; allowed: {', '.join(TOP_KEYS)}")
+    all_arms = exp.get("arms") or {"default": {}}
+    if arms:
+        missing = [a for a in arms if a not in all_arms]
+        if missing:
+            raise ConfigError(f"--arms: unknown arm(s) {missing}; allowed: {', '.join(all_arms)}")
+        all_arms = {a: all_arms[a] for a in arms}
+    seeds = list(seeds if seeds is not None else exp.get("seeds", [0]))
+    cells = []
+    for arm, arm_spec in all_arms.items():
+        arm_spec = dict(arm_spec or {})
+        arm_points = arm_spec.pop("_points", None) or [{}]
+        for point in (_merge(p, q) for p in arm_points for q in _points(exp.get("sweep"))):
+            data = apply_overrides(_merge(exp.get("base") or {}, arm_spec), [])
+            for key, value in point.items():
+                set_dotted(data, key, value)
+            arm_name = arm + _label(point)
+            for seed in seeds:
+                data["seed"] = seed
+                cfg = from_dict(apply_overrides(data, list(overrides)))
+                validate(cfg)
+                cells.append(Cell(f"{arm_name}-s{cfg.seed}", arm_name, cfg.seed, cfg))
+    ids = [c.run_id for c in cells]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("experiment: two cells share a run id; give arms distinct names")
+    return cells

@@ -1,0 +1,90 @@
+"""Write every figure an experiment folder's data supports (`moe-lab plot`, the end of `moe-lab reproduce`).
+
+File names are fixed (FIGURE_NAMES + format suffix) so that READMEs and notebooks can point at them. A figure
+whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moe_lab import plots, results
+
+FORMATS = ("png", "pdf", "svg")
+FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
+                "clip_sweep", "volatility_sweep")
+DPI = 150
+
+
+def _has(df: pd.DataFrame, *cols: str) -> bool:
+    return all(c in df.columns and df[c].notna().any() for c in cols)
+
+
+def varies(df: pd.DataFrame, col: str, within: str = "arm_base") -> bool:
+    """Whether col takes several values inside one base arm: a sweep over it, not just two algorithms'
+    different defaults (GRPO's clip 0.2 vs GSPO's 3e-4 is not a clip sweep)."""
+    if not _has(df, col) or within not in df.columns:
+        return False
+    return bool((df.groupby(within)[col].nunique() > 1).any())
+
+
+def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame) -> dict[str, Callable[[], Figure]]:
+    """Name -> builder of every figure these frames support, in FIGURE_NAMES order."""
+    plan: dict[str, Callable[[], Figure]] = {}
+    if _has(metrics, "clip_frac/out_of_range", "clip_frac/active"):
+        plan["clip_fraction"] = lambda: plots.clip_fraction(metrics)
+    if _has(metrics, "reward/mean"):
+        plan["reward_curves"] = lambda: plots.reward_curves(metrics, evals)
+    if _has(metrics, "routing/expert_change"):
+        plan["routing_volatility"] = lambda: plots.routing_volatility(metrics)
+    if plots.layer_columns(metrics):
+        plan["routing_heatmap"] = lambda: plots.routing_heatmap(metrics)
+    if _has(metrics, "ratio/token_var", "ratio/extreme_frac"):
+        plan["ratio_variance"] = lambda: plots.ratio_variance(metrics)
+    clip_x = next((c for c in ("rl.clip_low_resolved", "rl.clip_high_resolved") if varies(metrics, c)), None)
+    if clip_x and _has(metrics, "clip_frac/active"):
+        plan["clip_sweep"] = lambda: plots.clip_sweep(metrics, evals, x=clip_x)
+    if varies(metrics, "rl.router_lr_mult") and _has(metrics, "reward/mean", "routing/expert_change"):
+        plan["volatility_sweep"] = lambda: plots.volatility_sweep(metrics, evals)
+    return plan
+
+
+def parse_formats(formats: str | Sequence[str]) -> tuple[str, ...]:
+    items = formats.split(",") if isinstance(formats, str) else list(formats)
+    items = [str(f).strip().lower().lstrip(".") for f in items if str(f).strip()]
+    bad = [f for f in items if f not in FORMATS]
+    if bad or not items:
+        raise ValueError(f"formats={formats!r}: allowed a non-empty list of {', '.join(FORMATS)}")
+    return tuple(dict.fromkeys(items))
+
+
+def write_figures(results_dir: str | Path, out_dir: str | Path | None = None,
+                  formats: str | Sequence[str] = ("png",)) -> list[Path]:
+    """Load results_dir with results.load_runs and write each supported figure in each format.
+
+    Returns the written paths (empty when there is nothing to plot). A figure that fails on unexpected data
+    is skipped with a warning: the end of a long `reproduce` must not be lost to one plot.
+    """
+    formats = parse_formats(formats)
+    results_dir = Path(results_dir)
+    metrics, evals = results.load_runs(results_dir)
+    out_dir = Path(out_dir) if out_dir is not None else results_dir / "figures"
+    plan = planned_figures(metrics, evals) if len(metrics) else {}
+    paths = []
+    for name, build in plan.items():
+        try:
+            fig = build()
+        except ValueError as exc:
+            warnings.warn(f"figure {name} skipped: {exc}", stacklevel=2)
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for fmt in formats:
+            path = out_dir / f"{name}.{fmt}"
+            fig.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight")
+            paths.append(path)
+    return paths

@@ -1,0 +1,33 @@
+"""AdamW with a separate router learning rate, and a linear warmup."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lab.config import RLConfig
+from moe_lab.models import moe_layers
+
+
+def router_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for _, router, _ in moe_layers(model) for p in router.parameters()]
+
+
+def build_optimizer(model, rl: RLConfig) -> torch.optim.Optimizer:
+    """Router weights get lr * router_lr_mult: a knob that makes routing move faster than the rest."""
+    router = {id(p) for p in router_parameters(model)}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in router]
+    groups = [{"params": rest, "lr": rl.lr, "base_lr": rl.lr, "name": "body"},
+              {"params": [p for p in model.parameters() if id(p) in router], "lr": rl.lr * rl.router_lr_mult,
+               "base_lr": rl.lr * rl.router_lr_mult, "name": "router"}]
+    return torch.optim.AdamW(groups, lr=rl.lr, weight_decay=rl.weight_decay)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, rl: RLConfig, update: int) -> float:
+    """Linear warmup over the first warmup_steps optimizer updates, then constant.
+
+    A pure function of the update index (no scheduler state), so a resumed run needs nothing extra.
+    """
+    factor = min(1.0, (update + 1) / (rl.warmup_steps + 1)) if rl.warmup_steps else 1.0
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor
+    return rl.lr * factor

@@ -1,0 +1,258 @@
+"""record() and replay(): forward hooks on the router modules, installed inside a context and removed on exit.
+
+All state lives in the context's session object (no globals). A forward pre-hook on the model you pass gives
+each call's (B, S) and KV-cache length; a forward hook on each router reads or rewrites its output
+``(router_logits_NE, weights_NK, ids_NK)``, whose rows are the (B, S) positions flattened row-major.
+
+- record: a teacher-forced forward, or generate() with the KV cache (prefill columns, then one column per
+  decode step). generate() never forwards its last sampled token, so the trace of a sequence of total
+  length S has S-1 columns, aligned with a teacher-forced forward on input_ids[:, :-1].
+- replay: one forward call covering exactly the trace's (B, S); the trace's ids are forced and the gate
+  weights recomputed from the CURRENT logits with the family's gate_weights(), so the router keeps its
+  gradient. ``handle.latent`` is what the router would have chosen.
+- Activation checkpointing: a router running again within the same call is the backward recompute; it
+  reuses the call's forced ids and noise and appends nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from moe_lab.models import moe_layers
+from moe_lab.routing.trace import Trace
+
+Tensor = torch.Tensor
+
+
+def check_trace(model: nn.Module, trace: Trace, batch_shape: tuple[int, int] | None = None) -> None:
+    """Raise one ValueError listing every way ``trace`` does not fit ``model`` (and the batch (B, S))."""
+    layers = moe_layers(model)
+    router = layers[0].router
+    pairs = [("num_layers", trace.num_layers, len(layers)), ("top_k", trace.top_k, router.top_k),
+             ("num_experts", trace.num_experts, router.num_experts), ("family", trace.family, layers[0].family.name)]
+    if batch_shape is not None:
+        pairs.append(("batch shape (B, S)", (trace.batch_size, trace.seq_len), tuple(batch_shape)))
+    diffs = [f"{name}: trace {t!r} vs {'batch' if name.startswith('batch') else 'model'} {m!r}"
+             for name, t, m in pairs if t != m]
+    if diffs:
+        raise ValueError("trace does not match: " + "; ".join(diffs))
+
+
+def _call_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None or tokens.dim() < 2:
+        raise ValueError("routing hooks need input_ids (B, S) or inputs_embeds (B, S, H) in each model call")
+    return int(tokens.shape[0]), int(tokens.shape[1])
+
+
+def _cache_len(kwargs: dict) -> int:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+class _Session:
+    """Call bookkeeping shared by record and replay."""
+
+    def __init__(self, model: nn.Module, noise_std: float, generator: torch.Generator | None):
+        if isinstance(noise_std, bool) or not isinstance(noise_std, (int, float)) or not noise_std >= 0:
+            raise ValueError(f"noise_std={noise_std!r} is out of range: allowed a float >= 0")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+        self.model, self.layers = model, moe_layers(model)
+        self.noise_std, self.generator = float(noise_std), generator
+        self.top_k = self.layers[0].router.top_k
+        self.shape: tuple[int, int] | None = None  # (B, S) of the current call
+        self.cols, self.calls = 0, 0  # trace columns covered so far; model calls seen
+        self.runs = [0] * len(self.layers)  # router runs of each layer in the current call
+        self.noise_NE: list[Tensor | None] = [None] * len(self.layers)  # reused by the recompute
+        self.checkpointed = False  # current call runs under activation checkpointing
+        self.handles: list[Any] = []
+
+    def install(self) -> None:
+        self.handles.append(self.model.register_forward_pre_hook(self._pre_call, with_kwargs=True))
+        for pos, layer in enumerate(self.layers):
+            self.handles.append(layer.router.register_forward_hook(functools.partial(self._router_hook, pos)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _pre_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        B, S = _call_shape(args, kwargs)
+        self._start_call(B, S, _cache_len(kwargs))
+        self.shape, self.calls = (B, S), self.calls + 1
+        self.runs, self.noise_NE = [0] * len(self.layers), [None] * len(self.layers)
+        self.checkpointed = torch.is_grad_enabled() and self.model.training and _checkpointing(self.model)
+
+    def _router_hook(self, pos: int, router: nn.Module, inputs: tuple, output: tuple) -> tuple | None:
+        if self.shape is None:
+            raise RuntimeError(f"MoE layer {self.layers[pos].layer_idx}: its router ran outside a call of the model "
+                               f"given to record()/replay() ({type(self.model).__name__}); call that model")
+        B, S = self.shape
+        if output[0].shape[0] != B * S:
+            raise RuntimeError(f"MoE layer {self.layers[pos].layer_idx}: router got {output[0].shape[0]} rows, "
+                               f"expected B*S={B}*{S} of the model call")
+        self.runs[pos] += 1
+        recompute = self.runs[pos] > 1
+        if recompute and not _checkpointing(self.model):
+            raise RuntimeError(f"MoE layer {self.layers[pos].layer_idx}: router ran twice in one model call "
+                               "without activation checkpointing")
+        return self._route(pos, router, output, recompute)
+
+    def _noised(self, pos: int, logits_NE: Tensor) -> Tensor:
+        if self.noise_std == 0.0:
+            return logits_NE
+        if self.noise_NE[pos] is None:
+            noise = torch.randn(logits_NE.shape, generator=self.generator, device=logits_NE.device)
+            self.noise_NE[pos] = (noise * self.noise_std).to(logits_NE.dtype)
+        return logits_NE + self.noise_NE[pos]
+
+    def _as_BSK(self, x_NK: Tensor) -> Tensor:
+        return x_NK.reshape(*self.shape, self.top_k)
+
+    def _check_recomputed(self, what: str) -> None:
+        once = [self.layers[p].layer_idx for p, n in enumerate(self.runs) if n == 1]
+        if self.checkpointed and once:
+            raise RuntimeError(f"{what}: activation checkpointing is on and MoE layers {once} were not recomputed "
+                               f"before the context exited; call backward() inside the {what} context, or the "
+                               "recompute would route without it")
+
+    def _start_call(self, B: int, S: int, past: int) -> None:
+        raise NotImplementedError
+
+    def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> tuple | None:
+        raise NotImplementedError
+
+
+def _empty_trace(layers: list, weights: bool) -> Trace:
+    router = layers[0].router
+    return Trace._recording(len(layers), router.top_k, router.num_experts, layers[0].family.name, weights)
+
+
+class _Recorder(_Session):
+    def __init__(self, model: nn.Module, weights: bool, noise_std: float, generator: torch.Generator | None):
+        super().__init__(model, noise_std, generator)
+        self.trace = _empty_trace(self.layers, bool(weights))
+
+    def _start_call(self, B: int, S: int, past: int) -> None:
+        if self.calls == 0 and past:
+            raise RuntimeError(f"record(): the first call already has {past} cached positions; open record() "
+                               "before the prefill so that every column is recorded")
+        if self.calls and not past:
+            raise RuntimeError("record() covers one forward call or one generate() with the KV cache; a second "
+                               "call without KV cache ran: open one record() per call and join the traces with "
+                               "Trace.cat (generate(use_cache=False) re-forwards the whole sequence: not supported)")
+        if self.calls and (past != self.cols or B != self.shape[0]):
+            raise RuntimeError(f"record(): a KV-cache call continues batch {B} after {past} cached positions, but "
+                               f"the trace holds batch {self.shape[0]} x {self.cols} columns")
+        self.cols += S
+
+    def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> tuple | None:
+        logits_NE, weights_NK, ids_NK = output
+        if self.noise_std:
+            weights_NK, ids_NK = self.layers[pos].family.select(router, self._noised(pos, logits_NE))
+        if not recompute:
+            self.trace._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK))
+        # noise_std == 0: leave the output object untouched (bit-exact with no hooks at all)
+        return (logits_NE, weights_NK, ids_NK) if self.noise_std else None
+
+    def finish(self) -> None:
+        if self.calls == 0:
+            raise RuntimeError("record(): no call of the model ran inside the context; nothing was recorded")
+        never = [self.layers[p].layer_idx for p, part in enumerate(self.trace._parts) if not part]
+        if never:
+            raise RuntimeError(f"record(): the routers of MoE layers {never} never ran (a fused path bypassed them)")
+        if self.noise_std:
+            self._check_recomputed("record()")
+        self.trace._finish()
+
+
+class ReplayHandle:
+    """What replay() yields: ``trace`` (forced) and ``latent`` (the router's own choice on the current logits)."""
+
+    def __init__(self, trace: Trace, latent: Trace):
+        self.trace, self.latent = trace, latent
+
+
+class _Replayer(_Session):
+    def __init__(self, model: nn.Module, trace: Trace, noise_std: float, generator: torch.Generator | None):
+        if not isinstance(trace, Trace):
+            raise ValueError(f"trace: expected a moe_lab.routing.Trace, got {type(trace).__name__}")
+        super().__init__(model, noise_std, generator)
+        check_trace(model, trace)
+        self.handle = ReplayHandle(trace, _empty_trace(self.layers, weights=True))
+        self.forced_NK: list[Tensor | None] = [None] * len(self.layers)
+
+    def _start_call(self, B: int, S: int, past: int) -> None:
+        if self.calls:
+            raise RuntimeError("replay() covers one forward call; open one replay() per call")
+        if past:
+            raise RuntimeError(f"replay() forces a forward without KV cache; this call has {past} cached positions")
+        check_trace(self.model, self.handle.trace, batch_shape=(B, S))
+
+    def _forced(self, pos: int, device: torch.device) -> Tensor:
+        if self.forced_NK[pos] is None:
+            ids_BSK = self.handle.trace.indices[pos]
+            self.forced_NK[pos] = ids_BSK.reshape(-1, self.top_k).to(device=device, dtype=torch.long)
+        return self.forced_NK[pos]
+
+    def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> tuple:
+        logits_NE, weights_NK, ids_NK = output
+        family = self.layers[pos].family
+        noisy_NE = self._noised(pos, logits_NE)
+        if not recompute:
+            if self.noise_std:  # no_grad: the recompute skips this, so it must save no tensors for backward
+                with torch.no_grad():
+                    weights_NK, ids_NK = family.select(router, noisy_NE)
+            self.handle.latent._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK))
+        forced_NK = self._forced(pos, logits_NE.device)
+        return logits_NE, family.gate_weights(router, noisy_NE, forced_NK), forced_NK
+
+    def finish(self) -> None:
+        if self.calls == 0:
+            raise RuntimeError("replay(): no call of the model ran inside the context; nothing was replayed")
+        never = [(layer.layer_idx, type(layer.router).__name__) for p, layer in enumerate(self.layers)
+                 if self.runs[p] == 0]
+        if never:
+            raise RuntimeError(f"replay() did not take effect: the routers of MoE layers {never} never ran, so a "
+                               "fused path (e.g. a hub kernel such as MegaBlocksMoeMLP) bypassed them")
+        self._check_recomputed("replay()")
+        self.handle.latent._finish()
+
+
+@contextmanager
+def _session(session: _Session, value: Any) -> Iterator[Any]:
+    session.install()
+    try:
+        yield value
+    finally:
+        session.remove()
+    session.finish()  # only reached when the body raised nothing
+
+
+def record(model: nn.Module, *, weights: bool = True, noise_std: float = 0.0,
+           generator: torch.Generator | None = None):
+    """Context manager yielding a Trace of every MoE layer's top-k ids (and gate weights) for the model call
+    (or generate()) inside. noise_std > 0 adds N(0, noise_std^2) noise from ``generator`` to the router
+    logits before the family's select(): ids and weights then both come from the noised logits."""
+    session = _Recorder(model, weights, noise_std, generator)
+    return _session(session, session.trace)
+
+
+def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator: torch.Generator | None = None):
+    """Context manager forcing ``trace``'s ids in every MoE layer for the one forward call inside; gate weights
+    come from the current (optionally noised) router logits. Yields a ReplayHandle (``.latent``)."""
+    session = _Replayer(model, trace, noise_std, generator)
+    return _session(session, session.handle)

@@ -1,0 +1,140 @@
+"""Routing metrics: expert change between two routings, gate drift, expert load balance.
+
+Pure tensor functions. Inputs are Traces or raw index tensors ids_LBSK; ``mask`` is (B, S) bool or 0/1 over
+positions (e.g. the response mask) and every mean is over masked positions only. Work is vectorised with a
+bitmask over the E experts per layer (a Python loop over layers only, never over tokens), which bounds
+memory to one layer's (B, S, E) mask at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _ids(x: Any, name: str) -> Tensor:
+    ids = x if isinstance(x, Tensor) else getattr(x, "indices", x)  # (Tensor.indices is a sparse-tensor method)
+    if not isinstance(ids, Tensor) or ids.dim() != 4 or ids.is_floating_point():
+        raise ValueError(f"{name}: expected a Trace or an integer tensor ids_LBSK of 4 dims, got "
+                         f"{type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}")
+    return ids
+
+
+def _mask_BS(mask: Tensor | None, ids_LBSK: Tensor) -> Tensor:
+    B, S = ids_LBSK.shape[1:3]
+    if mask is None:
+        return torch.ones(B, S, dtype=torch.bool, device=ids_LBSK.device)
+    if tuple(mask.shape) != (B, S):
+        raise ValueError(f"mask: expected shape (B, S)=({B}, {S}) of the traces, got {tuple(mask.shape)}")
+    return mask.to(device=ids_LBSK.device).bool()
+
+
+def _num_experts(*traces: Any) -> int:
+    known = [t.num_experts for t in traces if not isinstance(t, Tensor) and hasattr(t, "num_experts")]
+    if known:
+        return int(known[0])
+    return int(max(_ids(t, "trace").max().item() for t in traces)) + 1
+
+
+def _bitmask_BSE(ids_BSK: Tensor, num_experts: int, name: str) -> Tensor:
+    """(B, S, E) bool: which experts a position uses. Rejects duplicate ids within a position's top-k."""
+    mask_BSE = torch.zeros(*ids_BSK.shape[:-1], num_experts, dtype=torch.bool, device=ids_BSK.device)
+    mask_BSE.scatter_(-1, ids_BSK.long(), True)
+    if not bool((mask_BSE.sum(-1) == ids_BSK.shape[-1]).all()):
+        raise ValueError(f"{name}: a position lists the same expert twice in its top-k")
+    return mask_BSE
+
+
+def _dense_BSE(ids_BSK: Tensor, w_BSK: Tensor, num_experts: int) -> Tensor:
+    dense_BSE = torch.zeros(*ids_BSK.shape[:-1], num_experts, dtype=torch.float32, device=ids_BSK.device)
+    return dense_BSE.scatter_(-1, ids_BSK.long(), w_BSK.float())
+
+
+def _check_pair(old: Any, new: Any) -> tuple[Tensor, Tensor]:
+    ids_old, ids_new = _ids(old, "old"), _ids(new, "new")
+    if ids_old.shape != ids_new.shape:
+        raise ValueError(f"old/new: trace shapes (L, B, S, K) differ: {tuple(ids_old.shape)} vs {tuple(ids_new.shape)}")
+    return ids_old, ids_new.to(ids_old.device)
+
+
+def _change_stats(old: Any, new: Any, mask: Tensor | None) -> dict[str, Any]:
+    """Per-layer sums over masked positions: changed share (1 - overlap/k), any-layer change, gate drift."""
+    ids_old, ids_new = _check_pair(old, new)
+    mask_BS = _mask_BS(mask, ids_old)
+    E, K = _num_experts(old, new), ids_old.shape[-1]
+    w_old, w_new = (None if isinstance(t, Tensor) else getattr(t, "weights", None) for t in (old, new))
+    with_w = w_old is not None and w_new is not None
+    change_L, drift_sum, drift_n = [], 0.0, 0
+    any_BS = torch.zeros_like(mask_BS)
+    for l in range(ids_old.shape[0]):
+        a_BSE, b_BSE = _bitmask_BSE(ids_old[l], E, "old"), _bitmask_BSE(ids_new[l], E, "new")
+        both_BSE = a_BSE & b_BSE & mask_BS[..., None]
+        overlap_BS = both_BSE.sum(-1)
+        change_L.append(((K - overlap_BS) * mask_BS).sum().item() / K)
+        any_BS |= (overlap_BS < K) & mask_BS
+        if with_w:
+            diff_BSE = _dense_BSE(ids_old[l], w_old[l], E) - _dense_BSE(ids_new[l], w_new[l].to(w_old.device), E)
+            drift_sum += diff_BSE.abs()[both_BSE].sum().item()
+            drift_n += int(both_BSE.sum().item())
+    return dict(tokens=int(mask_BS.sum().item()), change_L=change_L, any=int(any_BS.sum().item()),
+                with_w=with_w, drift_sum=drift_sum, drift_n=drift_n)
+
+
+def expert_change(old: Any, new: Any, mask: Tensor | None = None) -> float:
+    """Mean over masked positions, layers and top-k slots of 1 - |K_old ∩ K_new| / k (nan if mask is empty)."""
+    st = _change_stats(old, new, mask)
+    n = st["tokens"] * len(st["change_L"])
+    return sum(st["change_L"]) / n if n else math.nan
+
+
+def routing_metrics(old: Any, new: Any, mask: Tensor | None = None, prefix: str = "routing/") -> dict[str, float]:
+    """expert_change (overall and per layer), any_change (share of positions with any layer changed) and,
+    when both have weights, gate_drift (mean |w_old - w_new| over experts both routings kept)."""
+    st = _change_stats(old, new, mask)
+    n, L = st["tokens"], len(st["change_L"])
+    out = {f"{prefix}expert_change": sum(st["change_L"]) / (n * L) if n else math.nan,
+           f"{prefix}any_change": st["any"] / n if n else math.nan}
+    for l, change in enumerate(st["change_L"]):
+        out[f"{prefix}layer_{l}/expert_change"] = change / n if n else math.nan
+    if st["with_w"]:
+        out[f"{prefix}gate_drift"] = st["drift_sum"] / st["drift_n"] if st["drift_n"] else math.nan
+    return out
+
+
+def expert_load_LE(ids_LBSK: Tensor, num_experts: int, mask: Tensor | None = None) -> Tensor:
+    """Token-slot assignments per layer and expert over masked positions, float (L, E)."""
+    mask_BS = _mask_BS(mask, ids_LBSK)
+    L, B, S, K = ids_LBSK.shape
+    weight_LN = mask_BS[None, :, :, None].expand(L, B, S, K).reshape(L, -1).float()
+    load_LE = torch.zeros(L, num_experts, dtype=torch.float32, device=ids_LBSK.device)
+    return load_LE.scatter_add_(1, ids_LBSK.reshape(L, -1).long(), weight_LN)
+
+
+def load_stats(load_LE: Tensor) -> dict[str, Tensor]:
+    """Per layer: share of the busiest expert, how far it is above uniform (share * E - 1), normalised entropy
+    of the load (1 = uniform; 0 = one expert), unused experts. All-zero rows (no tokens) give nan."""
+    E = load_LE.shape[1]
+    share_LE = load_LE / load_LE.sum(1, keepdim=True)
+    plogp_LE = torch.where(share_LE > 0, share_LE * share_LE.log(), torch.zeros_like(share_LE))
+    max_share_L = share_LE.max(1).values
+    entropy_L = -plogp_LE.sum(1) / math.log(E) if E > 1 else torch.ones_like(max_share_L)
+    entropy_L = torch.where(torch.isnan(max_share_L), max_share_L, entropy_L)
+    return dict(max_share=max_share_L, max_violation=max_share_L * E - 1, entropy=entropy_L,
+                unused=(load_LE == 0).sum(1))
+
+
+def load_metrics(trace: Any, mask: Tensor | None = None, prefix: str = "routing/") -> dict[str, float]:
+    """load_max_violation (max over layers of busiest share * E - 1) and load_entropy (mean over layers of
+    the normalised entropy of the expert load), plus both per layer."""
+    ids = _ids(trace, "trace")
+    st = load_stats(expert_load_LE(ids, _num_experts(trace), mask))
+    out = {f"{prefix}load_max_violation": st["max_violation"].max().item(),
+           f"{prefix}load_entropy": st["entropy"].mean().item()}
+    for l in range(ids.shape[0]):
+        out[f"{prefix}layer_{l}/load_max_violation"] = st["max_violation"][l].item()
+        out[f"{prefix}layer_{l}/load_entropy"] = st["entropy"][l].item()
+    return out

@@ -1,0 +1,186 @@
+"""One RL step, the same for every algorithm: rollout → rewards → old policy → minibatch updates.
+
+The algorithm (``rl.algo``) is only an argument of ``policy_loss``; Routing Replay (``rl.replay``) only
+chooses which trace, if any, the update forwards are forced to follow. Nothing else branches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moe_lab.advantages import group_advantages
+from moe_lab.config import RunConfig, resolved_clip
+from moe_lab.losses import kl_penalty, masked_mean, policy_loss
+from moe_lab.optim import set_lr
+from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
+from moe_lab.routing import Trace, load_metrics, record, replay, routing_metrics
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class StepData:
+    """Everything the minibatch updates of one step read; fixed before the first update."""
+
+    batch: RolloutBatch
+    rewards_B: torch.Tensor
+    adv_B: torch.Tensor
+    logp_old_BT: torch.Tensor
+    old_trace: Trace | None  # routing that produced logp_old: the reference of routing/expert_change
+    forced_trace: Trace | None  # what replay forces in the updates (None: free routing)
+    batch_metrics: dict[str, float]
+
+
+def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + salt)
+
+
+@torch.no_grad()
+def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace]:
+    """logp_old from a forward of the policy before any update, with its routing recorded (R2's trace)."""
+    gen = _noise_gen(cfg.seed, step, 0)
+    with record(policy, noise_std=cfg.rl.router_noise, generator=gen) as trace:
+        logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
+    return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), trace
+
+
+def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, old_trace) -> dict[str, float]:
+    """Rollout-vs-train mismatch: the sampler's log-probs and routing against the trainer's."""
+    mask = batch.response_mask_BT
+    d_BT = torch.where(mask, batch.logp_rollout_BT - logp_old_BT, torch.zeros_like(logp_old_BT))
+    k3_BT = torch.exp(d_BT) - d_BT - 1  # KL(train || rollout), Schulman's k3 with the train policy as sampler
+    out = {"mismatch/k3": float(masked_mean(k3_BT, mask)),
+           "mismatch/extreme_frac": float(masked_mean((d_BT.abs() > LN2).float(), mask))}
+    if batch.trace is not None and old_trace is not None:
+        out["mismatch/expert_change"] = routing_metrics(batch.trace, old_trace, mask, prefix="")["expert_change"]
+    return out
+
+
+def _reward_metrics(rewards_B: torch.Tensor, group_size: int, batch: RolloutBatch) -> dict[str, float]:
+    groups = rewards_B.view(-1, group_size)
+    return {"reward/mean": float(rewards_B.mean()), "reward/std": float(rewards_B.std(unbiased=False)),
+            "reward/zero_var_groups": float((groups.max(-1).values == groups.min(-1).values).float().mean()),
+            "response/length_mean": float(batch.response_len_B.float().mean()),
+            "response/length_max": float(batch.response_len_B.max())}
+
+
+def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
+    """Rollout with routing recorded, rewards and advantages, then the old-policy pass."""
+    rl = cfg.rl
+    t0 = time.perf_counter()
+    group_prompts = [p for p in prompts for _ in range(rl.group_size)]
+    batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
+                     temperature=rl.temperature, record_routing=True)
+    rewards_B = torch.tensor([task.reward(p, c) for p, c in zip(group_prompts, batch.completions)], dtype=torch.float32)
+    t1 = time.perf_counter()
+    metrics = _reward_metrics(rewards_B, rl.group_size, batch)
+    if rl.old_logp == "old_forward":
+        logp_old_BT, old_trace = _old_pass(policy, batch, cfg, step)
+        metrics.update(_mismatch_metrics(batch, logp_old_BT, old_trace))
+    else:  # section 5.4: the sampler's log-probs and routing stand in for the old policy's
+        logp_old_BT, old_trace = batch.logp_rollout_BT, batch.trace
+    if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "reward":
+        with torch.no_grad():
+            ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
+                                    batch.input_ids_BS, rl.temperature)
+        kl_B = (kl_penalty(logp_old_BT, ref_BT, batch.response_mask_BT, rl.kl_kind)).sum(-1)
+        rewards_B = rewards_B - rl.kl_coef * kl_B
+        metrics["kl/ref_reward_penalty"] = float(kl_B.mean())
+    adv_B = group_advantages(rewards_B, rl.group_size, std_normalize=rl.std_normalize, reward_clip=rl.reward_clip,
+                             adv_clip=rl.adv_clip, whiten=rl.whiten)
+    metrics.update({"perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
+    forced = {"none": None, "old": old_trace, "rollout": batch.trace}[rl.replay]
+    return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics)
+
+
+def _routing_ctx(policy, data: StepData, rows: torch.Tensor, cfg: RunConfig, gen: torch.Generator):
+    if data.forced_trace is None:
+        return record(policy, noise_std=cfg.rl.router_noise, generator=gen)
+    return replay(policy, data.forced_trace[rows], noise_std=cfg.rl.router_noise, generator=gen)
+
+
+def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig) -> tuple[torch.Tensor, dict]:
+    """Forward one minibatch (routing regime already in force) and return the total loss and its metrics."""
+    rl, b = cfg.rl, data.batch
+    ids, attn, mask = b.input_ids_BS[rows], b.attention_mask_BS[rows], b.response_mask_BT[rows]
+    out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
+    logp_BT = token_logprobs(out.logits, ids, rl.temperature)
+    low, high = resolved_clip(rl)
+    loss, metrics = policy_loss(logp_BT, data.logp_old_BT[rows], data.adv_B[rows], mask, algo=rl.algo,
+                                clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
+        with torch.no_grad():
+            ref_BT = token_logprobs(forward_logits(ref_model, ids, attn).logits, ids, rl.temperature)
+        kl = masked_mean(kl_penalty(logp_BT, ref_BT, mask, rl.kl_kind), mask)
+        loss = loss + rl.kl_coef * kl
+        metrics["kl/ref"] = float(kl.detach())
+    if rl.aux_loss_coef > 0:
+        loss = loss + rl.aux_loss_coef * out.aux_loss
+        metrics["routing/aux_loss"] = float(out.aux_loss.detach())
+    metrics["policy/entropy"] = float(masked_mean(token_entropy(out.logits, rl.temperature), mask))
+    return loss, metrics
+
+
+def _backward(policy, loss: torch.Tensor, grad_clip: float) -> float:
+    if not torch.isfinite(loss):
+        return float("nan")
+    loss.backward()
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+
+
+def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg: RunConfig, step: int,
+           update_idx: int) -> dict[str, float]:
+    """One optimizer step on one minibatch; returns its metrics (the row of the results table)."""
+    t0 = time.perf_counter()
+    lr = set_lr(optimizer, cfg.rl, update_idx)
+    gen = _noise_gen(cfg.seed, step, 1 + update_idx)
+    optimizer.zero_grad(set_to_none=True)
+    # backward runs inside the routing context: under gradient checkpointing the recomputed forward
+    # must see the same forced routing.
+    with _routing_ctx(policy, data, rows, cfg, gen) as handle:
+        loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg)
+        grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    mask = data.batch.response_mask_BT[rows]
+    used, latent = (handle, handle) if data.forced_trace is None else (data.forced_trace[rows], handle.latent)
+    if data.old_trace is not None:
+        ref = data.old_trace[rows]
+        metrics.update(routing_metrics(ref, used, mask))
+        metrics["routing/expert_change_latent"] = routing_metrics(ref, latent, mask, prefix="")["expert_change"]
+    metrics.update(load_metrics(used, mask))
+    metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
+                    "perf/update_s": time.perf_counter() - t0})
+    return metrics
+
+
+def minibatch_rows(n: int, minibatches: int, seed: int, step: int) -> list[torch.Tensor]:
+    """A seeded shuffle of the rollout batch split into equal minibatches."""
+    perm = torch.randperm(n, generator=_noise_gen(seed, step, 999_983))
+    return list(perm.chunk(minibatches))
+
+
+def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
+            first_update: int) -> list[dict]:
+    """Collect one rollout batch and run the minibatch updates; one row per update."""
+    t0 = time.perf_counter()
+    data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+    rows = []
+    n = data.batch.input_ids_BS.shape[0]
+    for m, idx in enumerate(minibatch_rows(n, cfg.rl.minibatches, cfg.seed, step)):
+        metrics = update(policy, ref_model, optimizer, data, idx, cfg, step, first_update + m)
+        rows.append({"step": step, "minibatch": m, "update": first_update + m, **data.batch_metrics, **metrics})
+        if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
+            break
+    wall = time.perf_counter() - t0
+    tokens = float(data.batch.response_len_B.sum())
+    for r in rows:
+        r.update({"perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
+    return rows

@@ -1,0 +1,25 @@
+"""Tasks with verifiable rewards: prompts, ``reward()``, demonstrations and the shared tokenizer.
+
+``get_task(cfg)`` is the only constructor callers need; ``TASKS`` maps each ``TaskConfig.name`` to its class.
+"""
+
+from __future__ import annotations
+
+from moe_lab.config import TaskConfig
+from moe_lab.tasks.addition import AdditionTask, LongAdditionTask
+from moe_lab.tasks.base import Task, is_eval_prompt, position_score
+from moe_lab.tasks.strings import ReverseTask, SortTask
+from moe_lab.tasks.tokenizer import VOCAB, build_tokenizer, encode_response
+
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (SortTask, AdditionTask, ReverseTask, LongAdditionTask)}
+
+
+def get_task(cfg: TaskConfig) -> Task:
+    """The task named by cfg.name, configured by cfg (length, partial_credit, eval_size)."""
+    if cfg.name not in TASKS:
+        raise ValueError(f"task.name={cfg.name!r}: allowed one of {', '.join(TASKS)}")
+    return TASKS[cfg.name](cfg)
+
+
+__all__ = ["TASKS", "VOCAB", "AdditionTask", "LongAdditionTask", "ReverseTask", "SortTask", "Task",
+           "build_tokenizer", "encode_response", "get_task", "is_eval_prompt", "position_score"]

@@ -1,0 +1,149 @@
+"""Generate the analysis notebooks (outputs cleared) from the cell sources below.
+
+    python notebooks/make_notebooks.py          # rewrites notebooks/*.ipynb
+
+The notebooks only read results (moe_lab.results) and draw (moe_lab.plots): no training. They read
+$MOE_LAB_RESULTS if set, else the results/reference folder of this repository (see results/README.md).
+Edit this file, not the .ipynb files: tests/test_notebooks.py checks that they match.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = '''\
+%matplotlib inline
+import os, re, sys
+from pathlib import Path
+
+# Make `import moe_lab` work from a checkout that is not pip-installed.
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moe_lab" / "results.py").exists()), None)
+if ROOT is not None and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from moe_lab import figures, plots, results
+
+REFERENCE = results.reference_dir()  # $MOE_LAB_RESULTS, else results/reference above the working directory
+print("reading results from", REFERENCE)'''
+
+LOAD_PAPER = '''\
+metrics, evals = results.load_runs(REFERENCE / "paper")
+print(f"{metrics['run_id'].nunique()} runs, {len(metrics)} update rows, {len(evals)} eval rows")
+print("arms:", plots.arm_order(metrics["arm"].unique()))'''
+
+PAPER = {
+    "title": "# Reproducing the GSPO paper's figures on a small MoE\n\n"
+             "GRPO (token-level ratio), GRPO with Routing Replay (R2: old-policy routing; R3: rollout routing), "
+             "GSPO and GSPO-token, 3 seeds each, from the same cold-started model "
+             "(`moe-lab reproduce`, see `results/README.md`). Bands and intervals are 95% t-intervals over seeds.",
+    "cells": [
+        ("code", SETUP),
+        ("code", LOAD_PAPER),
+        ("md", "## Summary per arm\nFinal held-out accuracy; the other columns are means over the last 25% of "
+               "steps (`results.summarize`)."),
+        ("code", "table = results.summarize(metrics, evals)\nprint(results.format_summary(table))"),
+        ("md", "## Clipped-token fraction (paper, Figure 2)\nThe paper finds GSPO clips about two orders of "
+               "magnitude more tokens than GRPO, yet trains more efficiently."),
+        ("code", "plots.clip_fraction(metrics)"),
+        ("code", 'frac = table.set_index("arm")["clip_frac/out_of_range"]\n'
+                 'if {"grpo", "gspo"} <= set(frac.index):\n'
+                 '    print(f"GSPO / GRPO clipped fraction: {frac[\'gspo\'] / frac[\'grpo\']:.3g}x")'),
+        ("md", "## Training reward and held-out accuracy (paper, Figures 1 and 3)"),
+        ("code", "plots.reward_curves(metrics, evals)"),
+        ("md", "## Importance-ratio noise\nVariance of the token ratio w and the share of tokens with "
+               "|log w| > ln 2."),
+        ("code", "plots.ratio_variance(metrics)"),
+    ],
+}
+
+VOLATILITY = {
+    "title": "# Routing volatility\n\nHow much of the top-k routing changes per update, per arm, per MoE layer "
+             "and per step; under Routing Replay, the change the router would make (latent) against the one "
+             "forced on it (0 by construction).",
+    "cells": [
+        ("code", SETUP),
+        ("code", LOAD_PAPER),
+        ("code", "plots.routing_volatility(metrics)"),
+        ("md", "## Per layer and per step"),
+        ("code", "plots.routing_heatmap(metrics)"),
+        ("code", 'layer_cols = plots.layer_columns(metrics)\n'
+                 'late = results.last_frac_means(metrics, layer_cols, ["arm"], last_frac=0.25)\n'
+                 'late.groupby("arm")[layer_cols].mean().rename(columns=lambda c: c.split("/")[1])'),
+        ("md", "## Latent vs forced change under replay\nWithout replay the two are the same quantity."),
+        ("code", 'cols = ["routing/expert_change", "routing/expert_change_latent"]\n'
+                 'results.last_frac_means(metrics, cols, ["arm", "replay"], last_frac=0.25)'
+                 '.groupby(["arm", "replay"])[cols].mean()'),
+        ("md", "## Per position\nShown only where the runs logged per-position columns "
+               "(`routing/pos_{j}/expert_change`); otherwise the per-layer and per-step views above are the finest."),
+        ("code", 'pos_re = re.compile(r"routing/pos_(\\d+)/expert_change")\n'
+                 'pos_cols = sorted((c for c in metrics.columns if pos_re.fullmatch(c)),\n'
+                 '                  key=lambda c: int(pos_re.fullmatch(c).group(1)))\n'
+                 'if pos_cols:\n'
+                 '    display(metrics.groupby("arm")[pos_cols].mean())\n'
+                 'else:\n'
+                 '    print("no per-position expert-change columns in these runs")'),
+        ("md", "## Volatility sweep: router learning-rate multiplier"),
+        ("code", 'vol_metrics, vol_evals = results.load_runs(REFERENCE / "volatility_sweep")\n'
+                 'plots.volatility_sweep(vol_metrics, vol_evals)'),
+        ("code", 'sweep = plots.sweep_table(vol_metrics, vol_evals, "rl.router_lr_mult")\n'
+                 'sweep[["arm_base", "rl.router_lr_mult", "seeds", "routing/expert_change_latent", '
+                 '"reward/mean", "eval/acc_greedy"]]'),
+    ],
+}
+
+CLIP = {
+    "title": "# Clip-range sweep\n\nClipped fraction, late training reward and final held-out accuracy against "
+             "the clip range, per algorithm (GRPO near 0.2/0.27, GSPO near 3e-4/4e-4: a log axis shows both).",
+    "cells": [
+        ("code", SETUP),
+        ("code", 'metrics, evals = results.load_runs(REFERENCE / "clip_sweep")\n'
+                 'clip_cols = ("rl.clip_low_resolved", "rl.clip_high_resolved")\n'
+                 'x = next(c for c in clip_cols if figures.varies(metrics, c))  # the swept end of the clip range\n'
+                 'print("swept:", x, "| arms:", plots.arm_order(metrics["arm"].unique()))'),
+        ("code", "plots.clip_sweep(metrics, evals, x=x)"),
+        ("code", 'sweep = results.summarize(metrics, evals, by=("arm_base", *clip_cols))\n'
+                 'sweep[["arm_base", *clip_cols, "seeds", "clip_frac/active", '
+                 '"clip_frac/out_of_range", "reward/mean", "eval/acc_greedy"]]'),
+        ("md", "## Clipped fraction per step at each clip range"),
+        ("code", "plots.clip_fraction(metrics)"),
+    ],
+}
+
+NOTEBOOKS = {"01_reproduce_paper_figures.ipynb": PAPER, "02_routing_volatility.ipynb": VOLATILITY,
+             "03_clip_range_sweep.ipynb": CLIP}
+
+
+def build(spec: dict) -> nbformat.NotebookNode:
+    cells = [new_markdown_cell(spec["title"])]
+    cells += [new_code_cell(src) if kind == "code" else new_markdown_cell(src) for kind, src in spec["cells"]]
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(nb.cells):  # stable ids: regenerating gives byte-identical files
+        cell["id"] = f"cell-{i:02d}"
+    return nb
+
+
+def build_all() -> dict[str, nbformat.NotebookNode]:
+    return {name: build(spec) for name, spec in NOTEBOOKS.items()}
+
+
+def main(out_dir: Path = HERE) -> list[Path]:
+    paths = []
+    for name, nb in build_all().items():
+        nbformat.validate(nb)
+        path = Path(out_dir) / name
+        nbformat.write(nb, path)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for p in main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE):
+        print(f"wrote {p}")

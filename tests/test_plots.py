@@ -1,0 +1,231 @@
+"""moe_lab.plots and moe_lab.figures on synthetic result folders: axes, labels, scales, series, files."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MPLBACKEND", "Agg")  # nothing here needs a display (plots never use pyplot anyway)
+
+import matplotlib.colors as mcolors  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+from synthetic import PAPER_ARMS, clip_sweep_arms, volatility_sweep_arms, write_experiment  # noqa: E402
+
+from moe_lab import figures, plots, results  # noqa: E402
+
+LAYERS, STEPS = 3, 5
+PER_STEP_FIGURES = ["clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    base = tmp_path_factory.mktemp("results")
+    write_experiment(base / "paper", PAPER_ARMS, seeds=(0, 1, 2), steps=STEPS, layers=LAYERS)
+    write_experiment(base / "clip_sweep", clip_sweep_arms(), seeds=(0, 1), steps=3, layers=2)
+    write_experiment(base / "volatility_sweep", volatility_sweep_arms(), seeds=(0, 1), steps=3, layers=2)
+    return base
+
+
+@pytest.fixture(scope="module")
+def paper(root):
+    return results.load_runs(root / "paper")
+
+
+def labels(ax) -> list[str]:
+    return [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+
+
+def legend_texts(fig) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+PAPER_LABELS = [plots.arm_label(a) for a in plots.PAPER_ARMS]
+
+
+# --------------------------------------------------------------------------- style
+
+
+def test_arm_colours_are_fixed_okabe_ito_and_distinct():
+    colours = [plots.arm_color(a) for a in plots.PAPER_ARMS]
+    assert len(set(colours)) == len(colours) and set(colours) <= set(plots.OKABE_ITO)
+    assert plots.arm_color("grpo__rl.clip_low=0.1") == plots.arm_color("grpo")
+    assert plots.arm_color("my_new_arm") == plots.arm_color("my_new_arm") in plots.OKABE_ITO
+
+
+def test_arm_label_and_order():
+    label = plots.arm_label("gspo__rl.clip_low=0.0001__rl.clip_high=0.0002")
+    assert label == "GSPO (clip_low=0.0001, clip_high=0.0002)"
+    assert plots.arm_order(["zeta", "gspo", "grpo_r2", "grpo"]) == ["grpo", "grpo_r2", "gspo", "zeta"]
+
+
+# --------------------------------------------------------------------------- per-step figures
+
+
+def test_clip_fraction_log_scale_both_senses_one_line_per_arm(paper):
+    metrics, _ = paper
+    fig = plots.clip_fraction(metrics)
+    out, active, bars = fig.axes[:3]
+    for ax, title in ((out, "outside"), (active, "zeroed")):
+        assert ax.get_yscale() == "log" and ax.get_xlabel() == "RL step"
+        assert "fraction of response tokens" in ax.get_ylabel() and title in ax.get_title()
+        assert labels(ax) == PAPER_LABELS
+        assert [mcolors.to_hex(line.get_color()) for line in ax.get_lines()] == \
+            [plots.arm_color(a).lower() for a in plots.PAPER_ARMS]
+        assert len(ax.collections) == len(PAPER_LABELS)  # one seed band per arm
+    assert legend_texts(fig) == PAPER_LABELS
+    assert bars.get_xscale() == "log" and len(bars.patches) == 2 * len(PAPER_LABELS)
+    assert [t.get_text() for t in bars.get_yticklabels()] == PAPER_LABELS
+
+
+def test_clip_fraction_curve_is_the_seed_mean_per_step(paper):
+    metrics, _ = paper
+    ax = plots.clip_fraction(metrics, arms=["gspo"]).axes[1]
+    expected = results.per_step(metrics[metrics["arm"] == "gspo"], "clip_frac/active")
+    np.testing.assert_allclose(ax.get_lines()[0].get_ydata(), expected["mean"])
+    np.testing.assert_array_equal(ax.get_lines()[0].get_xdata(), np.arange(STEPS))
+
+
+def test_reward_curves_training_and_eval_panels(paper):
+    metrics, evals = paper
+    fig = plots.reward_curves(metrics, evals)
+    assert len(fig.axes) == 3
+    assert fig.axes[0].get_ylabel() == "mean reward per response"
+    assert all(ax.get_ylabel() == "fraction of eval prompts solved" for ax in fig.axes[1:])
+    assert all(labels(ax) == PAPER_LABELS and ax.get_xlabel() == "RL step" for ax in fig.axes)
+    assert len(plots.reward_curves(metrics).axes) == 1  # no eval frame: the training panel only
+
+
+def test_routing_volatility_latent_vs_forced_under_replay(paper):
+    metrics, _ = paper
+    fig = plots.routing_volatility(metrics)
+    left, right = fig.axes
+    assert labels(left) == PAPER_LABELS and "experts" in left.get_ylabel()
+    replay = ["GRPO + R2 replay", "GRPO + R3 replay"]
+    assert labels(right) == [f"{a}: {kind}" for a in replay for kind in ("latent", "forced")]
+    forced = [line for line in right.get_lines() if line.get_label().endswith("forced")]
+    assert all(line.get_linestyle() == "--" and np.all(line.get_ydata() == 0) for line in forced)
+    no_replay = plots.routing_volatility(metrics[metrics["replay"] == "none"])
+    assert len(no_replay.axes) == 1
+
+
+def test_routing_heatmap_layer_by_step_grid(paper):
+    metrics, _ = paper
+    fig = plots.routing_heatmap(metrics, arms=["grpo", "gspo"])
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert len(images) == 2
+    grid = images[0].get_array()
+    assert grid.shape == (LAYERS, STEPS)
+    layer2 = results.per_step(metrics[metrics["arm"] == "grpo"], "routing/layer_2/expert_change")
+    np.testing.assert_allclose(grid[2], layer2["mean"])
+    ax = images[0].axes
+    assert ax.get_xlabel() == "RL step" and ax.get_ylabel() == "MoE layer" and ax.get_title() == "GRPO"
+    assert "experts changed" in fig.axes[-1].get_ylabel()  # the colour bar
+
+
+def test_routing_heatmap_wraps_many_arms(root):
+    metrics, _ = results.load_runs(root / "clip_sweep")
+    fig = plots.routing_heatmap(metrics)
+    assert sum(bool(ax.images) for ax in fig.axes) == metrics["arm"].nunique() == 6
+    assert len({ax.get_position().y0 for ax in fig.axes if ax.images}) == 2  # two rows of at most 4
+
+
+def test_ratio_variance_panels(paper):
+    metrics, _ = paper
+    var, extreme = plots.ratio_variance(metrics).axes
+    assert var.get_yscale() == "log" and extreme.get_yscale() == "linear"
+    assert "ln 2" in extreme.get_title() and extreme.get_ylabel() == "fraction of response tokens"
+    assert labels(var) == labels(extreme) == PAPER_LABELS
+
+
+def test_sweep_arms_share_colour_and_differ_by_linestyle(root):
+    metrics, _ = results.load_runs(root / "clip_sweep")
+    ax = plots.ratio_variance(metrics).axes[0]
+    grpo = [line for line in ax.get_lines() if line.get_label().startswith("GRPO")]
+    assert len(grpo) == 3 and len({line.get_color() for line in grpo}) == 1
+    assert len({line.get_linestyle() for line in grpo}) == 3
+
+
+def test_plot_input_errors_name_the_problem(paper):
+    metrics, evals = paper
+    with pytest.raises(ValueError, match="nope"):
+        plots.clip_fraction(metrics, arms=["nope"])
+    with pytest.raises(ValueError, match="clip_frac/active"):
+        plots.clip_fraction(metrics.drop(columns=["clip_frac/active"]))
+    with pytest.raises(ValueError, match="layer"):
+        plots.routing_heatmap(metrics.drop(columns=plots.layer_columns(metrics)))
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def test_clip_sweep_log_x_one_line_per_algorithm(root):
+    metrics, evals = results.load_runs(root / "clip_sweep")
+    fig = plots.clip_sweep(metrics, evals, x="rl.clip_low_resolved")
+    assert len(fig.axes) == 3 and all(ax.get_xscale() == "log" for ax in fig.axes)
+    assert fig.axes[0].get_yscale() == "log"
+    assert all("eps_low" in ax.get_xlabel() for ax in fig.axes)
+    assert legend_texts(fig) == ["GRPO", "GSPO"]
+    containers = fig.axes[0].containers  # one errorbar per algorithm: (data line, caps, bars)
+    assert [c.get_label() for c in containers] == ["GRPO", "GSPO"]
+    lines = [c.lines[0] for c in containers]
+    xs = np.concatenate([line.get_xdata() for line in lines])
+    assert list(xs) == sorted(metrics.loc[metrics["algo"] == "grpo", "rl.clip_low_resolved"].unique()) + \
+        sorted(metrics.loc[metrics["algo"] == "gspo", "rl.clip_low_resolved"].unique())
+    table = plots.sweep_table(metrics, evals, "rl.clip_low_resolved")
+    np.testing.assert_allclose(np.concatenate([line.get_ydata() for line in lines]), table["clip_frac/active"])
+
+
+def test_volatility_sweep_panels(root):
+    metrics, evals = results.load_runs(root / "volatility_sweep")
+    fig = plots.volatility_sweep(metrics, evals)
+    change, reward, scatter = fig.axes
+    assert change.get_xscale() == reward.get_xscale() == "log" and "multiplier" in change.get_xlabel()
+    assert "latent" in change.get_ylabel() and scatter.get_xlabel() == change.get_ylabel()
+    assert legend_texts(fig) == ["GRPO", "GSPO"]
+    assert [t.get_text() for t in scatter.texts] == ["x1", "x10", "x100"] * 2
+
+
+# --------------------------------------------------------------------------- write_figures
+
+
+def test_write_figures_paper_writes_per_step_figures_only(root, tmp_path):
+    paths = figures.write_figures(root / "paper", tmp_path / "figs", formats=("png", "svg"))
+    assert [p.name for p in paths] == [f"{n}.{f}" for n in PER_STEP_FIGURES for f in ("png", "svg")]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths if p.suffix == ".png")
+    assert all(b"<svg" in p.read_bytes()[:2000] for p in paths if p.suffix == ".svg")
+
+
+@pytest.mark.parametrize("name, figure", [("clip_sweep", "clip_sweep"), ("volatility_sweep", "volatility_sweep")])
+def test_sweeps_plan_their_figure(root, name, figure):
+    # rendering each figure is covered above; planning is what decides the files (and is cheap)
+    assert list(figures.planned_figures(*results.load_runs(root / name))) == [*PER_STEP_FIGURES, figure]
+
+
+def test_write_figures_skips_figures_without_columns(tmp_path):
+    exp = write_experiment(tmp_path / "exp", {"grpo": PAPER_ARMS["grpo"]}, seeds=(0,), steps=3, layers=2)
+    f = exp / "runs" / "grpo-s0" / "metrics.parquet"
+    df = pd.read_parquet(f)
+    df.drop(columns=[c for c in df.columns if c.startswith(("routing/", "ratio/"))]).to_parquet(f)
+    paths = figures.write_figures(exp, formats="pdf")
+    assert paths == [exp / "figures" / "clip_fraction.pdf", exp / "figures" / "reward_curves.pdf"]  # default out_dir
+    assert paths[0].read_bytes()[:5] == b"%PDF-"
+
+
+def test_write_figures_rejects_bad_format_before_any_work(root, tmp_path):
+    with pytest.raises(ValueError, match="formats"):
+        figures.write_figures(root / "paper", tmp_path / "never", formats=("png", "jpg"))
+    assert not (tmp_path / "never").exists()
+
+
+def test_write_figures_on_empty_folder_returns_nothing(tmp_path):
+    (tmp_path / "runs").mkdir()
+    with pytest.warns(UserWarning, match="no readable runs"):
+        assert figures.write_figures(tmp_path) == []
+
+
+def test_varies_needs_several_values_within_one_arm(paper, root):
+    metrics, _ = paper
+    assert not figures.varies(metrics, "rl.clip_low_resolved")  # GRPO 0.2 vs GSPO 3e-4 is not a sweep
+    sweep, _ = results.load_runs(root / "clip_sweep")
+    assert figures.varies(sweep, "rl.clip_low_resolved") and not figures.varies(sweep, "rl.router_lr_mult")

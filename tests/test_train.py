@@ -1,0 +1,127 @@
+"""The RL loop end to end on a tiny model: schema, replay exactness, determinism, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
+from moe_lab.experiment import expand
+from moe_lab.runner import run_experiment
+from moe_lab.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
+TIMING = [c for c in ("perf/rollout_s", "perf/old_s", "perf/update_s", "perf/step_s", "perf/tokens_per_s",
+                      "perf/wall_s", "perf/eval_s")]
+REQUIRED = ["run_id", "arm", "algo", "replay", "seed", "step", "minibatch", "update", "loss",
+            "clip_frac/out_of_range", "clip_frac/active", "clip_frac/low", "clip_frac/high", "clip_frac/seq",
+            "ratio/token_mean", "ratio/token_var", "ratio/logratio_var", "ratio/seq_mean", "ratio/seq_var",
+            "ratio/extreme_frac", "kl/k3", "routing/expert_change", "routing/expert_change_latent",
+            "routing/any_change", "routing/layer_0/expert_change", "routing/layer_1/expert_change",
+            "routing/load_max_violation", "reward/mean", "reward/std", "reward/zero_var_groups",
+            "response/length_mean", "policy/entropy", "optim/grad_norm", "optim/lr", "perf/tokens_per_s",
+            "perf/wall_s", "mismatch/k3", "mismatch/extreme_frac", "mismatch/expert_change"]
+
+
+def tiny(tmp_path: Path, *overrides: str):
+    data = apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp_path / 'cache'}",
+                                           "task.partial_credit=true", *overrides])
+    return validate(from_dict(data))
+
+
+def _table(run_dir: Path) -> pd.DataFrame:
+    return pd.read_parquet(run_dir / "metrics.parquet").drop(columns=TIMING, errors="ignore")
+
+
+def test_smoke_every_arm_has_the_schema_and_finite_values(tmp_path):
+    exp = dict(SMOKE, base=apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp_path / 'cache'}"]))
+    statuses = run_experiment(exp, tmp_path / "smoke", jobs=1, progress=False, echo=lambda *_: None)
+    assert set(statuses.values()) == {"done"}, statuses
+    for cell in expand(exp):
+        df = pd.read_parquet(tmp_path / "smoke" / "runs" / cell.run_id / "metrics.parquet")
+        missing = [c for c in REQUIRED if c not in df.columns]
+        assert not missing, f"{cell.run_id} lacks {missing}"
+        assert len(df) == 3 * 2  # steps x minibatches
+        numeric = df.select_dtypes("number")
+        assert numeric.notna().all().all() and numeric.map(math.isfinite).all().all(), cell.run_id
+        ev = pd.read_parquet(tmp_path / "smoke" / "runs" / cell.run_id / "eval.parquet")
+        assert list(ev["step"]) == [0, 2, 3]
+
+
+def test_replay_old_first_minibatch_is_exactly_on_policy(tmp_path):
+    cfg = tiny(tmp_path, "rl.replay=old", "rl.steps=1")
+    train(cfg, tmp_path / "run", run_id="r2")
+    first = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[0]
+    assert first["routing/expert_change"] == 0.0
+    assert first["ratio/token_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["ratio/token_var"] == pytest.approx(0.0, abs=1e-10)
+    assert first["clip_frac/out_of_range"] == 0.0
+
+
+def test_gspo_clips_more_than_grpo_at_the_papers_ranges(tmp_path):
+    means = {}
+    for algo in ("grpo", "gspo"):
+        cfg = tiny(tmp_path, f"rl.algo={algo}", "rl.steps=2", "rl.minibatches=4", "rl.group_size=8",
+                   "rl.prompts_per_step=4")
+        train(cfg, tmp_path / algo, run_id=algo)
+        means[algo] = pd.read_parquet(tmp_path / algo / "metrics.parquet")["clip_frac/active"].mean()
+    assert means["gspo"] > means["grpo"], means
+
+
+def test_same_seed_gives_identical_tables(tmp_path):
+    cfg = tiny(tmp_path, "rl.algo=gspo_token", "rl.steps=2")
+    train(cfg, tmp_path / "a", run_id="x")
+    train(cfg, tmp_path / "b", run_id="x")
+    pd.testing.assert_frame_equal(_table(tmp_path / "a"), _table(tmp_path / "b"))
+
+
+def _launch(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
+    code = ("import sys; from moe_lab.config import from_dict, load_yaml; from moe_lab.train import train; "
+            "train(from_dict(load_yaml(sys.argv[1])), sys.argv[2], run_id='k')")
+    return subprocess.Popen([sys.executable, "-c", code, str(cfg_path), str(run_dir)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path):
+    from moe_lab.config import dump_yaml
+
+    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.replay=rollout", "rl.eval_every=3")
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(dump_yaml(cfg))
+    train(cfg, tmp_path / "ref", run_id="k")  # also warms the cold-start cache
+    proc = _launch(cfg_path, tmp_path / "killed")
+    marker = tmp_path / "killed" / "checkpoint" / "state.json"
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "the run never reached its first checkpoint"
+    done_steps = pd.read_parquet(tmp_path / "killed" / "metrics.parquet")["step"].max()
+    assert done_steps < cfg.rl.steps - 1, "killed too late to test resuming"
+    train(cfg, tmp_path / "killed", run_id="k")
+    pd.testing.assert_frame_equal(_table(tmp_path / "ref"), _table(tmp_path / "killed"))
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "ref" / "eval.parquet").drop(columns=TIMING, errors="ignore"),
+                                  pd.read_parquet(tmp_path / "killed" / "eval.parquet").drop(columns=TIMING, errors="ignore"))
+
+
+def test_existing_run_folder_is_not_overwritten_silently(tmp_path):
+    from moe_lab.config import ConfigError
+
+    base = apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp_path / 'cache'}", "rl.steps=1"])
+    exp = {"base": base, "arms": {"grpo": {}}, "seeds": [0]}
+    run_experiment(exp, tmp_path / "e", jobs=1, progress=False, echo=lambda *_: None)
+    with pytest.raises(ConfigError, match="--overwrite"):
+        run_experiment(exp, tmp_path / "e", jobs=1, progress=False, overrides=["rl.lr=0.5"], echo=lambda *_: None)
+    lines = []
+    run_experiment(exp, tmp_path / "e", jobs=1, progress=False, echo=lines.append)
+    assert "1 done" in lines[0]
