@@ -106,7 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # FIELD=VALUE overrides may come before or after the options: collect the stray ones here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or args.cmd not in ("run", "reproduce")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         if args.cmd == "run":
             return _run(read_experiment(args.experiment), args.out, args)
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if _plot(args.results, args.out, args.format) else 1
         print(_config_table())
         return 0
-    except ConfigError as exc:
+    except ValueError as exc:  # ConfigError included: bad input gets one line, not a traceback
         print(f"moe-lab: error: {exc}", file=sys.stderr)
         return 2
 

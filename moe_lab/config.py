@@ -88,7 +88,7 @@ class RLConfig:
     group_size: int = param(8, "responses per prompt (G)", ge=2)
     minibatches: int = param(4, "optimizer steps per rollout batch (the paper uses 4)", ge=1)
     temperature: float = param(1.0, "sampling temperature of the rollout", gt=0.0)
-    lr: float = param(1e-3, "AdamW learning rate", gt=0.0)
+    lr: float = param(1e-4, "AdamW learning rate (1e-3 collapses the sort task within 5 steps at this scale)", gt=0.0)
     router_lr_mult: float = param(1.0, "learning-rate multiplier of the router weights (volatility knob)", gt=0.0)
     warmup_steps: int = param(2, "linear learning-rate warmup in optimizer steps", ge=0)
     weight_decay: float = param(0.0, "AdamW weight decay", ge=0.0)

@@ -51,11 +51,19 @@ def plan(cells: list[Cell], runs_dir: Path, *, overwrite: bool) -> dict[str, lis
     return groups
 
 
-def _coldstart_worker(cfg) -> str:
-    from moe_lab.coldstart import cold_start
+def quiet_transformers() -> None:
+    """transformers draws a progress bar per checkpoint load: noise in a batch of runs."""
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+
+
+def _coldstart_worker(cfg) -> str:
     import torch
 
+    from moe_lab.coldstart import cold_start
+
+    quiet_transformers()
     torch.set_num_threads(cfg.threads)
     return str(cold_start(cfg, progress=False))
 
@@ -64,6 +72,7 @@ def _train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
     from moe_lab.runlog import RunLog, STATUS_FAILED
     from moe_lab.train import run_info, train
 
+    quiet_transformers()
     try:
         return cell.run_id, train(cell.config, Path(run_dir), run_id=cell.run_id, arm=cell.arm)
     except Exception as exc:  # one broken cell must not take the batch down: record it and go on
@@ -101,6 +110,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
                    progress: bool = True, echo=print) -> dict[str, str]:
     """Run all cells; returns run_id -> status. Every config is validated before any work starts."""
     cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
+    quiet_transformers()
     out = Path(out)
     runs_dir = out / "runs"
     groups = plan(cells, runs_dir, overwrite=overwrite)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,7 +43,13 @@ def _table(run_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(run_dir / "metrics.parquet").drop(columns=TIMING, errors="ignore")
 
 
+def _documented(column: str, table: str) -> bool:
+    generic = re.sub(r"layer_\d+", "layer_{i}", column)
+    return f"`{generic}`" in table or f"`{column}`" in table
+
+
 def test_smoke_every_arm_has_the_schema_and_finite_values(tmp_path):
+    table = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
     exp = dict(SMOKE, base=apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp_path / 'cache'}"]))
     statuses = run_experiment(exp, tmp_path / "smoke", jobs=1, progress=False, echo=lambda *_: None)
     assert set(statuses.values()) == {"done"}, statuses
@@ -51,6 +58,8 @@ def test_smoke_every_arm_has_the_schema_and_finite_values(tmp_path):
         missing = [c for c in REQUIRED if c not in df.columns]
         assert not missing, f"{cell.run_id} lacks {missing}"
         assert len(df) == 3 * 2  # steps x minibatches
+        undocumented = [c for c in df.columns if not _documented(c, table)]
+        assert not undocumented, f"columns missing from docs/metrics.md: {undocumented}"
         numeric = df.select_dtypes("number")
         assert numeric.notna().all().all() and numeric.map(math.isfinite).all().all(), cell.run_id
         ev = pd.read_parquet(tmp_path / "smoke" / "runs" / cell.run_id / "eval.parquet")
