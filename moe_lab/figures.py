@@ -18,7 +18,7 @@ from moe_lab import plots, results
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
                 "clip_sweep", "volatility_sweep")
-DPI = 150
+DPI = 100
 
 
 def _has(df: pd.DataFrame, *cols: str) -> bool:

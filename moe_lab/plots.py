@@ -107,7 +107,9 @@ def band(ax, table: pd.DataFrame, label: str, color: str, *, log: bool = False, 
     """Mean line (labelled, one Line2D) and its 95% band (a PolyCollection) from a per_step table."""
     x, mean, lo, hi = (table[c].to_numpy(float) for c in ("step", "mean", "lo", "hi"))
     ax.plot(x, mean, color=color, linestyle=linestyle, label=label)
-    lo = _positive_floor(lo, mean) if log else lo
+    # Every quantity plotted here (shares, variances, rewards, accuracies) is >= 0: a t-band below 0
+    # from three seeds says nothing the axis should show.
+    lo = _positive_floor(lo, mean) if log else np.maximum(lo, 0.0)
     ax.fill_between(x, np.where(np.isnan(lo), mean, lo), np.where(np.isnan(hi), mean, hi), color=color,
                     alpha=BAND_ALPHA, linewidth=0)
 
@@ -284,7 +286,9 @@ def _sweep_lines(ax, table: pd.DataFrame, x: str, metric: str, series: str, *, y
         rows = table[table[series] == name]
         mean = rows[metric].to_numpy(float)
         lo, hi = rows[f"{metric}_lo"].to_numpy(float), rows[f"{metric}_hi"].to_numpy(float)
-        lo = _positive_floor(lo, mean) if log_y else lo
+        # Every sweep quantity drawn (clip shares, rewards, accuracies, expert change) lies in [0, 1]:
+        # two-seed t-intervals reach far outside it and would only stretch the axis.
+        lo, hi = (_positive_floor(lo, mean) if log_y else np.maximum(lo, 0.0)), np.minimum(hi, 1.0)
         err = np.abs(np.nan_to_num(np.stack([lo, hi]) - mean[None, :]))
         ax.errorbar(rows[x].to_numpy(float), mean, yerr=err, marker="o", capsize=2, color=arm_color(name),
                     label=arm_label(name))

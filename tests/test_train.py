@@ -76,6 +76,16 @@ def test_replay_old_first_minibatch_is_exactly_on_policy(tmp_path):
     assert first["clip_frac/out_of_range"] == 0.0
 
 
+def test_fp32_rollout_routing_equals_old_policy_routing_so_r3_equals_r2(tmp_path):
+    """generate() with the KV cache and the teacher-forced forward route identically in fp32."""
+    tables = {}
+    for mode in ("old", "rollout"):
+        train(tiny(tmp_path, f"rl.replay={mode}", "rl.steps=2"), tmp_path / mode, run_id="x")
+        tables[mode] = _table(tmp_path / mode).drop(columns=["replay"])
+    assert (tables["old"]["mismatch/expert_change"] == 0).all()
+    pd.testing.assert_frame_equal(tables["old"], tables["rollout"])
+
+
 def test_gspo_clips_more_than_grpo_at_the_papers_ranges(tmp_path):
     means = {}
     for algo in ("grpo", "gspo"):
