@@ -44,6 +44,7 @@ def bare_step(model, opt, task, cfg: RunConfig, prompts: list[str]) -> dict[str,
         loss, _ = policy_loss(token_logprobs(logits, batch.input_ids_BS[rows]), old[rows], adv[rows],
                               batch.response_mask_BT[rows], algo=rl.algo, clip_low=low, clip_high=high)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), rl.grad_clip)  # every trainer clips (TRL included)
         opt.step()
     t3 = time.perf_counter()
     return {"rollout_s": t1 - t0, "old_s": t2 - t1, "update_s": t3 - t2, "total_s": t3 - t0,
@@ -75,21 +76,30 @@ def main() -> None:
                 "grpo, replay=rollout (R3)": ["rl.replay=rollout"],
                 "grpo, no replay (routing recorded)": [],
                 "gspo, logp_old from rollout (5.4)": ["rl.algo=gspo", "rl.old_logp=rollout"]}
-    print(f"threads={args.threads} repeats={args.repeats} (median seconds per RL step; 16 prompts x 8 responses)")
-    base = None
+    print(f"threads={args.threads} repeats={args.repeats} (median seconds per RL step; 16 prompts x 8 responses; "
+          "variants interleaved so that machine noise hits them alike)")
+    setups = {}
     for name, overrides in variants.items():
         cfg = validate(from_dict(apply_overrides({}, overrides or [])))
         task = get_task(cfg.task)
         torch.manual_seed(0)
         model = build_model(cfg.model, len(task.tokenizer))
-        opt = build_optimizer(model, cfg.rl)
+        init = {k: v.clone() for k, v in model.state_dict().items()}
         prompts = task.sample_prompts(cfg.rl.prompts_per_step, np.random.default_rng(0))
-        runs = []
-        for i in range(args.repeats + 1):  # the first call warms up allocators and kernels
-            r = bare_step(model, opt, task, cfg, prompts) if overrides is None else full_step(model, opt, task, cfg, prompts, i)
-            runs.append(r)
-        m = _median(runs[1:])
-        base = m["total_s"] if overrides is None else base
+        setups[name] = (overrides, cfg, task, model, init, prompts)
+    runs: dict[str, list] = {name: [] for name in variants}
+    for i in range(args.repeats + 1):  # the first round warms up allocators and kernels
+        for name, (overrides, cfg, task, model, init, prompts) in setups.items():
+            # Same weights and sampling seed in every variant and repeat: identical rollouts, so the
+            # variants differ only in the work they add.
+            model.load_state_dict(init)
+            opt = build_optimizer(model, cfg.rl)
+            torch.manual_seed(100 + i)
+            step = bare_step if overrides is None else lambda *a: full_step(*a, i)
+            runs[name].append(step(model, opt, task, cfg, prompts))
+    base = _median(runs["bare work"][1:])["total_s"]
+    for name in variants:
+        m = _median(runs[name][1:])
         print(f"{name:38s} total {m['total_s']:.3f}s  rollout {m['rollout_s']:.3f}  old {m['old_s']:.3f}  "
               f"update {m['update_s']:.3f}  tokens/s {m['tokens'] / m['total_s']:.0f}  x bare {m['total_s'] / base:.3f}")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

@@ -41,23 +41,34 @@ def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
 
 
 @torch.no_grad()
-def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace]:
-    """logp_old from a forward of the policy before any update, with its routing recorded (R2's trace)."""
+def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace, Trace]:
+    """logp_old from a forward of the policy before any update: (logp_old, routing used, router's own choice).
+
+    Free routing is recorded (it is R2's trace). Under R3 this forward already follows the rollout's
+    routing, as the updates will: otherwise the first update's ratios would compare two routings and
+    be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
+    """
     gen = _noise_gen(cfg.seed, step, 0)
-    with record(policy, noise_std=cfg.rl.router_noise, generator=gen) as trace:
-        logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-    return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), trace
+    if cfg.rl.replay == "rollout":
+        with replay(policy, batch.trace, noise_std=cfg.rl.router_noise, generator=gen) as handle:
+            logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
+        used, free = batch.trace, handle.latent
+    else:
+        with record(policy, noise_std=cfg.rl.router_noise, generator=gen) as used:
+            logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
+        free = used
+    return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
 
 
-def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, old_trace) -> dict[str, float]:
+def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, free_trace) -> dict[str, float]:
     """Rollout-vs-train mismatch: the sampler's log-probs and routing against the trainer's."""
     mask = batch.response_mask_BT
     d_BT = torch.where(mask, batch.logp_rollout_BT - logp_old_BT, torch.zeros_like(logp_old_BT))
     k3_BT = torch.exp(d_BT) - d_BT - 1  # KL(train || rollout), Schulman's k3 with the train policy as sampler
     out = {"mismatch/k3": float(masked_mean(k3_BT, mask)),
            "mismatch/extreme_frac": float(masked_mean((d_BT.abs() > LN2).float(), mask))}
-    if batch.trace is not None and old_trace is not None:
-        out["mismatch/expert_change"] = routing_metrics(batch.trace, old_trace, mask, prefix="")["expert_change"]
+    if batch.trace is not None and free_trace is not None:
+        out["mismatch/expert_change"] = routing_metrics(batch.trace, free_trace, mask, prefix="")["expert_change"]
     return out
 
 
@@ -80,8 +91,8 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     t1 = time.perf_counter()
     metrics = _reward_metrics(rewards_B, rl.group_size, batch)
     if rl.old_logp == "old_forward":
-        logp_old_BT, old_trace = _old_pass(policy, batch, cfg, step)
-        metrics.update(_mismatch_metrics(batch, logp_old_BT, old_trace))
+        logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
+        metrics.update(_mismatch_metrics(batch, logp_old_BT, free_trace))
     else:  # section 5.4: the sampler's log-probs and routing stand in for the old policy's
         logp_old_BT, old_trace = batch.logp_rollout_BT, batch.trace
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "reward":
@@ -98,10 +109,20 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics)
 
 
-def _routing_ctx(policy, data: StepData, rows: torch.Tensor, cfg: RunConfig, gen: torch.Generator):
-    if data.forced_trace is None:
+def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator):
+    if forced is None:
         return record(policy, noise_std=cfg.rl.router_noise, generator=gen)
-    return replay(policy, data.forced_trace[rows], noise_std=cfg.rl.router_noise, generator=gen)
+    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen)
+
+
+def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tensor) -> dict[str, float]:
+    """routing/* of one update: change of the routing used, and of the router's own choice, vs ref."""
+    out = load_metrics(used, mask)
+    if ref is not None:
+        out.update(routing_metrics(ref, used, mask))
+        out["routing/expert_change_latent"] = (out["routing/expert_change"] if latent is used else
+                                               routing_metrics(ref, latent, mask, prefix="")["expert_change"])
+    return out
 
 
 def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig) -> tuple[torch.Tensor, dict]:
@@ -113,7 +134,7 @@ def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig) -> tupl
     low, high = resolved_clip(rl)
     loss, metrics = policy_loss(logp_BT, data.logp_old_BT[rows], data.adv_B[rows], mask, algo=rl.algo,
                                 clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c)
-    metrics = {k: float(v) for k, v in metrics.items()}
+    metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
         with torch.no_grad():
             ref_BT = token_logprobs(forward_logits(ref_model, ids, attn).logits, ids, rl.temperature)
@@ -144,18 +165,15 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
     optimizer.zero_grad(set_to_none=True)
     # backward runs inside the routing context: under gradient checkpointing the recomputed forward
     # must see the same forced routing.
-    with _routing_ctx(policy, data, rows, cfg, gen) as handle:
+    forced = data.forced_trace[rows] if data.forced_trace is not None else None
+    with _routing_ctx(policy, forced, cfg, gen) as handle:
         loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg)
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
     if math.isfinite(grad_norm):
         optimizer.step()
-    mask = data.batch.response_mask_BT[rows]
-    used, latent = (handle, handle) if data.forced_trace is None else (data.forced_trace[rows], handle.latent)
-    if data.old_trace is not None:
-        ref = data.old_trace[rows]
-        metrics.update(routing_metrics(ref, used, mask))
-        metrics["routing/expert_change_latent"] = routing_metrics(ref, latent, mask, prefix="")["expert_change"]
-    metrics.update(load_metrics(used, mask))
+    used, latent = (handle, handle) if forced is None else (forced, handle.latent)
+    ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[rows]
+    metrics.update(_routing_row(ref, used, latent, data.batch.response_mask_BT[rows]))
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
                     "perf/update_s": time.perf_counter() - t0})
     return metrics

@@ -66,9 +66,15 @@ def test_smoke_every_arm_has_the_schema_and_finite_values(tmp_path):
         assert list(ev["step"]) == [0, 2, 3]
 
 
-def test_replay_old_first_minibatch_is_exactly_on_policy(tmp_path):
-    cfg = tiny(tmp_path, "rl.replay=old", "rl.steps=1")
-    train(cfg, tmp_path / "run", run_id="r2")
+@pytest.mark.parametrize("replay,dtype", [("old", "float32"), ("rollout", "bfloat16")])
+def test_replay_first_minibatch_is_exactly_on_policy(tmp_path, replay, dtype):
+    """Before any update the forced routing is the one logp_old was computed with: ratio 1, no change.
+
+    With a bf16 rollout, R3 forces routing that differs from the trainer's free choice; it holds only
+    because the old-policy forward follows the rollout routing too.
+    """
+    cfg = tiny(tmp_path, f"rl.replay={replay}", f"rl.rollout_dtype={dtype}", "rl.steps=1")
+    train(cfg, tmp_path / "run", run_id="r")
     first = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[0]
     assert first["routing/expert_change"] == 0.0
     assert first["ratio/token_mean"] == pytest.approx(1.0, abs=1e-6)
