@@ -28,7 +28,10 @@ def save(ckpt_dir: Path, model, optimizer, state: dict) -> None:
     safetensors.torch.save_model(model, str(tmp))
     os.replace(tmp, ckpt_dir / "model.safetensors")
     buf = io.BytesIO()
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, buf)
+    rng = {"torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():  # generate() samples with the CUDA generator on a GPU
+        rng["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save({"optimizer": optimizer.state_dict(), **rng}, buf)
     atomic_write_bytes(ckpt_dir / "optim.pt", buf.getvalue())
     atomic_write_text(marker, json.dumps(state, indent=2))
 
@@ -46,6 +49,8 @@ def load(ckpt_dir: Path, model, optimizer) -> dict | None:
     blob = torch.load(ckpt_dir / "optim.pt", weights_only=True)  # never unpickle code from a results folder
     optimizer.load_state_dict(blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
+    if "cuda_rng" in blob and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(blob["cuda_rng"])
     return state
 
 

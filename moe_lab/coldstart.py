@@ -30,9 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from moe_lab.config import RunConfig, validate
-from moe_lab.models import build_model, load_model
+from moe_lab.models import build_model, load_model, resolve_device
 from moe_lab.rollout import accuracy, forward_logits, token_logprobs
-from moe_lab.tasks import Task, encode_response, get_task
+from moe_lab.tasks import Task, encode_response, get_task, task_tokenizer
 
 # Bump when the training recipe changes in a way the config cannot see: old cache entries then go stale.
 FORMAT_VERSION = 1
@@ -86,7 +86,7 @@ def sft_loss(model, ids_BS: torch.Tensor, mask_BS: torch.Tensor, resp_BT: torch.
 
 def sft_step(model, optimizer: torch.optim.Optimizer, task: Task, prompts: list[str]) -> float:
     """One AdamW step on the demonstrations of `prompts`; returns the loss before the step."""
-    loss = sft_loss(model, *demonstration_batch(task, prompts))
+    loss = sft_loss(model, *(t.to(model.device) for t in demonstration_batch(task, prompts)))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -137,9 +137,9 @@ def _initial_model(cfg: RunConfig, task: Task):
                            eos_token_id=tok.eos_token_id)
     model = load_model(cfg.model.checkpoint, experts_impl=cfg.model.experts_impl)
     vocab = model.get_input_embeddings().num_embeddings
-    if vocab != len(tok):
-        raise ValueError(f"model.checkpoint={cfg.model.checkpoint!r}: its embedding has {vocab} tokens, allowed: "
-                         f"the task vocabulary's {len(tok)}")
+    if vocab < len(tok):
+        raise ValueError(f"model.checkpoint={cfg.model.checkpoint!r}: its embedding has {vocab} tokens, fewer than "
+                         f"its tokenizer's {len(tok)}; allowed: >= {len(tok)}")
     return model
 
 
@@ -173,7 +173,7 @@ def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> 
     state is left as it was.
     """
     validate(cfg)
-    task = get_task(cfg.task)
+    task = get_task(cfg.task, task_tokenizer(cfg.model.checkpoint))
     _check_lengths(cfg, task)
     key, root = cache_key(cfg), cache_root(cfg)
     final = root / key
@@ -184,10 +184,10 @@ def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> 
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.model.seed)
-            model = _initial_model(cfg, task)
+            model = _initial_model(cfg, task).to(resolve_device(cfg.model.device))
             model.train(False)  # no dropout or router jitter: RL compares forwards of this same model
             meta = warm_up(model, task, cfg, progress=progress)
-        model.save_pretrained(tmp)
+        model.to("cpu").save_pretrained(tmp)
         task.tokenizer.save_pretrained(tmp)
         meta.update(format=FORMAT_VERSION, key=key, task=task.name, model_seed=cfg.model.seed)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")

@@ -46,6 +46,9 @@ class ModelConfig:
     max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
     experts_impl: str = param("grouped_mm", "transformers experts kernel; batched_mm is ~50x slower on CPU and refused",
                               choices=("grouped_mm", "eager"))
+    device: str = param("cpu", "where the policy runs: cpu, cuda, or auto (cuda when visible). Training is fp32 "
+                               "on either; the GPU path is written but was not verified on a GPU yet",
+                        choices=("cpu", "cuda", "auto"))
     seed: int = param(0, "seed of the random initialisation", ge=0)
 
 

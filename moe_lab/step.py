@@ -87,7 +87,8 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     group_prompts = [p for p in prompts for _ in range(rl.group_size)]
     batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
                      temperature=rl.temperature, record_routing=True)
-    rewards_B = torch.tensor([task.reward(p, c) for p, c in zip(group_prompts, batch.completions)], dtype=torch.float32)
+    rewards_B = torch.tensor([task.reward(p, c) for p, c in zip(group_prompts, batch.completions)],
+                             dtype=torch.float32, device=batch.input_ids_BS.device)
     t1 = time.perf_counter()
     metrics = _reward_metrics(rewards_B, rl.group_size, batch)
     if rl.old_logp == "old_forward":
@@ -182,7 +183,7 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
 def minibatch_rows(n: int, minibatches: int, seed: int, step: int) -> list[torch.Tensor]:
     """A seeded shuffle of the rollout batch split into equal minibatches."""
     perm = torch.randperm(n, generator=_noise_gen(seed, step, 999_983))
-    return list(perm.chunk(minibatches))
+    return list(perm.chunk(minibatches))  # CPU index tensors: valid for CPU and CUDA tensors alike
 
 
 def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],

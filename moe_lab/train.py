@@ -17,12 +17,12 @@ import torch
 from moe_lab import checkpoint
 from moe_lab.coldstart import cold_start
 from moe_lab.config import RunConfig, dump_yaml, validate
-from moe_lab.models import load_model
+from moe_lab.models import load_model, resolve_device
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import accuracy
 from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text
 from moe_lab.step import rl_step
-from moe_lab.tasks import get_task
+from moe_lab.tasks import get_task, load_tokenizer
 
 # A reward that stays exactly 0 for this many consecutive steps means the policy has collapsed:
 # every advantage is 0 from then on, so further steps only burn time.
@@ -66,9 +66,12 @@ def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
     return {"run_id": run_id, "arm": arm, "algo": cfg.rl.algo, "replay": cfg.rl.replay, "seed": cfg.seed}
 
 
-def _setup(cfg: RunConfig, run_dir: Path, progress: bool):
+def _setup(cfg: RunConfig, progress: bool):
+    """Cold-started policy (and its tokenizer's task), rollout copy, reference model, optimizer."""
+    device = resolve_device(cfg.model.device)
     model_dir = cold_start(cfg, progress=progress)
-    policy = load_model(model_dir, experts_impl=cfg.model.experts_impl)
+    task = get_task(cfg.task, load_tokenizer(str(model_dir)))
+    policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(device)
     policy.train(False)  # no dropout: the old and new forwards must be comparable
     ref_model = None
     if cfg.rl.kl_coef > 0:
@@ -76,7 +79,7 @@ def _setup(cfg: RunConfig, run_dir: Path, progress: bool):
     rollout_policy = policy
     if cfg.rl.rollout_dtype == "bfloat16":
         rollout_policy = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
-    return policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
+    return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
 
 
 def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", progress: bool = False) -> str:
@@ -87,8 +90,7 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
     log = RunLog(run_dir, run_info(cfg, run_id, arm))
-    task = get_task(cfg.task)
-    policy, rollout_policy, ref_model, optimizer = _setup(cfg, run_dir, progress)
+    task, policy, rollout_policy, ref_model, optimizer = _setup(cfg, progress)
     torch.manual_seed(cfg.seed)  # after setup: loading or warming up the model may consume random numbers
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer) or {"step": 0, "rows": 0, "eval_rows": 0,
                                                                           "zero_reward_steps": 0, "wall_s": 0.0}

@@ -113,6 +113,15 @@ def moe_layers(model: nn.Module) -> list[MoeLayer]:
     return sorted(found, key=lambda layer: layer.layer_idx)
 
 
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when one is visible, else cpu; 'cuda' without one is refused before any work."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device='cuda' but torch sees no CUDA device; allowed here: cpu, auto")
+    return torch.device(name)
+
+
 def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     """Position ids of left-padded rows exactly as ``generate()`` makes them (pads get 0).
 
@@ -123,4 +132,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "load_model", "moe_layers", "position_ids_from_mask"]
+__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "load_model", "moe_layers", "position_ids_from_mask",
+           "resolve_device"]

@@ -115,7 +115,9 @@ class _Session:
         if self.noise_std == 0.0:
             return logits_NE
         if self.noise_NE[pos] is None:
-            noise = torch.randn(logits_NE.shape, generator=self.generator, device=logits_NE.device)
+            # Drawn on the generator's own device (a CPU generator cannot fill a CUDA tensor), then moved.
+            where = self.generator.device if self.generator is not None else logits_NE.device
+            noise = torch.randn(logits_NE.shape, generator=self.generator, device=where).to(logits_NE.device)
             self.noise_NE[pos] = (noise * self.noise_std).to(logits_NE.dtype)
         return logits_NE + self.noise_NE[pos]
 

@@ -48,13 +48,13 @@ class Task:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, cfg: TaskConfig):
+    def __init__(self, cfg: TaskConfig, tokenizer=None):
         if cfg.name != self.name:
             raise ValueError(f"task.name={cfg.name!r}: this class implements {self.name!r}; use get_task()")
         self.cfg = cfg
         self.length = cfg.length
         self._check_capacity()
-        self.tokenizer = build_tokenizer()
+        self.tokenizer = build_tokenizer() if tokenizer is None else tokenizer
         self._eval: list[str] | None = None
 
     # ------------------------------------------------------------------ problem-specific hooks

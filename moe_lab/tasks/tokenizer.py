@@ -40,6 +40,31 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def load_tokenizer(path: str):
+    """The tokenizer saved beside a checkpoint (offline), set up for RL: left padding, a pad token.
+
+    Our own cold-start folders hold the character tokenizer; a real checkpoint brings its own (BPE etc.),
+    and the tasks then speak through it: prompts and answers are plain text either way.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model.checkpoint={path!r}: no tokenizer could be loaded from it ({err})") from None
+    tokenizer.padding_side = "left"  # prompts must end where generation starts
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"model.checkpoint={path!r}: its tokenizer has no EOS token; responses could never end")
+    return tokenizer
+
+
+def task_tokenizer(checkpoint: str | None):
+    """The character tokenizer for a model built from a config, the checkpoint's own otherwise."""
+    return build_tokenizer() if checkpoint is None else load_tokenizer(checkpoint)
+
+
 def encode_response(tokenizer, text: str) -> list[int]:
     """Token ids of a response: its characters, then EOS (no BOS)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
