@@ -81,7 +81,8 @@ class RLConfig:
                                 "rollout (R3: routing recorded during generation)", choices=("none", "old", "rollout"))
     clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO 3e-4)", ge=0.0, lt=1.0)
     clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO 4e-4)", ge=0.0)
-    loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences",
+    loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences; -norm divides each "
+                                                 "sequence's token sum by the task's fixed response budget",
                           choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
     dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages; None = off", gt=1.0)
     old_logp: str = param("old_forward", "source of logp_old: a forward pass of the old policy, or the rollout's own "

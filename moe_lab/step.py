@@ -34,6 +34,7 @@ class StepData:
     old_trace: Trace | None  # routing that produced logp_old: the reference of routing/expert_change
     forced_trace: Trace | None  # what replay forces in the updates (None: free routing)
     batch_metrics: dict[str, float]
+    norm_len: int  # fixed length for seq-mean-token-sum-norm: the task's response budget, not the batch's T
 
 
 def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
@@ -107,7 +108,7 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
                              adv_clip=rl.adv_clip, whiten=rl.whiten)
     metrics.update({"perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
     forced = {"none": None, "old": old_trace, "rollout": batch.trace}[rl.replay]
-    return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics)
+    return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens)
 
 
 def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator):
@@ -134,7 +135,8 @@ def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig) -> tupl
     logp_BT = token_logprobs(out.logits, ids, rl.temperature)
     low, high = resolved_clip(rl)
     loss, metrics = policy_loss(logp_BT, data.logp_old_BT[rows], data.adv_B[rows], mask, algo=rl.algo,
-                                clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c)
+                                clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
+                                norm_len=data.norm_len)
     metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
         with torch.no_grad():
