@@ -1,7 +1,8 @@
 """Resumable training state: weights (safetensors), optimizer and RNG (tensors only), a JSON marker.
 
-``state.json`` is written last and is the commit marker: a checkpoint without it is ignored, so a run
-killed during a save resumes from the previous complete checkpoint.
+A checkpoint is written whole into ``<dir>.tmp`` and swapped in by renames, so at every instant either
+``<dir>`` or (between the two renames) ``<dir>.old`` holds a complete checkpoint: a run killed during a
+save resumes from the previous one. ``state.json`` is written last and marks a folder as complete.
 """
 
 from __future__ import annotations
@@ -17,42 +18,52 @@ import torch
 
 from moe_lab.runlog import atomic_write_bytes, atomic_write_text
 
+MARKER = "state.json"
+
+
+def _sibling(ckpt_dir: Path, suffix: str) -> Path:
+    return ckpt_dir.with_name(ckpt_dir.name + suffix)
+
 
 def save(ckpt_dir: Path, model, optimizer, state: dict) -> None:
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    marker = ckpt_dir / "state.json"
-    if marker.exists():
-        os.unlink(marker)  # the files below are about to change: invalidate first
-    tmp = ckpt_dir / ".model.safetensors.tmp"
-    safetensors.torch.save_model(model, str(tmp))
-    os.replace(tmp, ckpt_dir / "model.safetensors")
+    tmp, old = _sibling(ckpt_dir, ".tmp"), _sibling(ckpt_dir, ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
     buf = io.BytesIO()
     rng = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():  # generate() samples with the CUDA generator on a GPU
         rng["cuda_rng"] = torch.cuda.get_rng_state_all()
     torch.save({"optimizer": optimizer.state_dict(), **rng}, buf)
-    atomic_write_bytes(ckpt_dir / "optim.pt", buf.getvalue())
-    atomic_write_text(marker, json.dumps(state, indent=2))
+    atomic_write_bytes(tmp / "optim.pt", buf.getvalue())
+    atomic_write_text(tmp / MARKER, json.dumps(state, indent=2))
+    shutil.rmtree(old, ignore_errors=True)
+    if ckpt_dir.exists():
+        os.rename(ckpt_dir, old)
+    os.rename(tmp, ckpt_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _complete(ckpt_dir: Path) -> Path | None:
+    for cand in (ckpt_dir, _sibling(ckpt_dir, ".old")):
+        if (cand / MARKER).is_file():
+            return cand
+    return None
 
 
 def load(ckpt_dir: Path, model, optimizer) -> dict | None:
     """Restore model, optimizer and RNG in place; returns the saved state, or None if none is complete."""
-    ckpt_dir = Path(ckpt_dir)
-    marker = ckpt_dir / "state.json"
-    if not marker.exists():
+    found = _complete(Path(ckpt_dir))
+    if found is None:
         return None
-    state = json.loads(marker.read_text(encoding="utf-8"))
-    missing, unexpected = safetensors.torch.load_model(model, str(ckpt_dir / "model.safetensors"))
+    state = json.loads((found / MARKER).read_text(encoding="utf-8"))
+    missing, unexpected = safetensors.torch.load_model(model, str(found / "model.safetensors"))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {ckpt_dir} does not fit the model: missing {missing}, unexpected {unexpected}")
-    blob = torch.load(ckpt_dir / "optim.pt", weights_only=True)  # never unpickle code from a results folder
+        raise ValueError(f"checkpoint {found} does not fit the model: missing {missing}, unexpected {unexpected}")
+    blob = torch.load(found / "optim.pt", weights_only=True)  # never unpickle code from a results folder
     optimizer.load_state_dict(blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
     if "cuda_rng" in blob and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(blob["cuda_rng"])
     return state
-
-
-def remove(ckpt_dir: Path) -> None:
-    shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -143,6 +143,14 @@ def _initial_model(cfg: RunConfig, task: Task):
     return model
 
 
+def preflight(cfg: RunConfig) -> None:
+    """What the cold start would refuse, checked without building a model (so before any work starts)."""
+    ckpt = cfg.model.checkpoint
+    if ckpt is not None and not Path(ckpt).expanduser().is_dir():
+        raise ValueError(f"model.checkpoint={ckpt!r}: no such directory; allowed: a local checkpoint folder")
+    _check_lengths(cfg, get_task(cfg.task, task_tokenizer(ckpt)))
+
+
 def _check_lengths(cfg: RunConfig, task: Task) -> None:
     need = task.prompt_tokens + task.max_new_tokens
     if need > cfg.model.max_positions:

@@ -8,6 +8,7 @@ Nothing here imports torch or the runner: a config can be checked before any wor
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ def _check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
         raise ConfigError(f"{name}: expected {tp}, got {value!r}")
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} is out of range: allowed a finite number ({_allowed(meta)})")
     bad = (meta.get("choices") and value not in meta["choices"]) \
         or (meta.get("ge") is not None and value < meta["ge"]) or (meta.get("gt") is not None and value <= meta["gt"]) \
         or (meta.get("le") is not None and value > meta["le"]) or (meta.get("lt") is not None and value >= meta["lt"])

@@ -32,15 +32,16 @@ class RolloutBatch:
     trace: Trace | None = None  # routing recorded during generation (R3), T positions
     response_len_B: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
-    @property
-    def position_ids_BT(self) -> torch.Tensor:
-        return position_ids(self.attention_mask_BS)[:, :-1]
-
 
 def _generation_config(tokenizer, max_new_tokens: int, temperature: float, greedy: bool) -> GenerationConfig:
     # top_k=0 and top_p=1 matter: transformers' default top_k=50 would silently truncate the policy,
-    # and logp_rollout would then no longer be the log-prob of the distribution we sample from.
+    # and logp_rollout would then no longer be the log-prob of the distribution we sample from. For the
+    # same reason every other logits processor is set to its neutral value explicitly: generate() fills
+    # fields left as None from the checkpoint's own generation_config (repetition penalty, typical_p, ...).
     return GenerationConfig(
+        repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+        min_new_tokens=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, suppress_tokens=[],
+        begin_suppress_tokens=[], renormalize_logits=False,
         max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else temperature,
         top_k=None if greedy else 0, top_p=None if greedy else 1.0, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, use_cache=True,

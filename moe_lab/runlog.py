@@ -132,6 +132,7 @@ class RunLog:
 
     def write_manifest(self, status: str, reason: str = "", **extra: Any) -> None:
         manifest = read_json(self.manifest_path)
+        manifest.pop("traceback", None)  # belongs to the attempt that failed, not to this status
         manifest.update({**self.info, "status": status, "reason": reason, "updated": time.time(),
                          "versions": package_versions(), "git_commit": git_commit(), **extra})
         atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, default=str))

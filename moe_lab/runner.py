@@ -22,6 +22,18 @@ from moe_lab.experiment import Cell, expand
 from moe_lab.runlog import STATUS_DONE, atomic_write_text, read_json
 
 
+def _preflight(cells: list[Cell]) -> None:
+    """Task size, sequence budget and checkpoint path of every distinct setup, before any folder is made."""
+    from moe_lab.coldstart import preflight
+
+    seen = set()
+    for c in cells:
+        key = dump_yaml(c.config.model) + dump_yaml(c.config.task)
+        if key not in seen:
+            seen.add(key)
+            preflight(c.config)
+
+
 def default_jobs(threads_per_run: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(threads_per_run, 1))
 
@@ -111,6 +123,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     """Run all cells; returns run_id -> status. Every config is validated before any work starts."""
     cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
     quiet_transformers()
+    _preflight(cells)
     out = Path(out)
     runs_dir = out / "runs"
     groups = plan(cells, runs_dir, overwrite=overwrite)

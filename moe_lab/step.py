@@ -65,7 +65,9 @@ def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, free_trace) -> dict[str,
     """Rollout-vs-train mismatch: the sampler's log-probs and routing against the trainer's."""
     mask = batch.response_mask_BT
     d_BT = torch.where(mask, batch.logp_rollout_BT - logp_old_BT, torch.zeros_like(logp_old_BT))
-    k3_BT = torch.exp(d_BT) - d_BT - 1  # KL(train || rollout), Schulman's k3 with the train policy as sampler
+    # Samples come from the rollout policy: k3 with r = pi_train / pi_rollout = exp(-d) estimates
+    # KL(rollout || train) unbiasedly (Schulman's k3: (r - 1) - log r).
+    k3_BT = torch.exp(-d_BT) + d_BT - 1
     out = {"mismatch/k3": float(masked_mean(k3_BT, mask)),
            "mismatch/extreme_frac": float(masked_mean((d_BT.abs() > LN2).float(), mask))}
     if batch.trace is not None and free_trace is not None:

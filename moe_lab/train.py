@@ -16,7 +16,7 @@ import torch
 
 from moe_lab import checkpoint
 from moe_lab.coldstart import cold_start
-from moe_lab.config import RunConfig, dump_yaml, validate
+from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import accuracy
@@ -46,8 +46,12 @@ def _sync_rollout_policy(policy, rollout_policy):
 
 def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) -> dict:
     t0 = time.perf_counter()
-    greedy = accuracy(policy, task, eval_prompts, greedy=True)
-    sampled = accuracy(policy, task, eval_prompts, greedy=False, temperature=cfg.rl.temperature)
+    # Own seeded RNG stream: how often we evaluate must not change the rollouts that follow.
+    devices = [policy.device] if policy.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.seed * 1_000_003 + step + 7)
+        greedy = accuracy(policy, task, eval_prompts, greedy=True)
+        sampled = accuracy(policy, task, eval_prompts, greedy=False, temperature=cfg.rl.temperature)
     return {"step": step, "eval/acc_greedy": greedy, "eval/acc_sampled": sampled,
             "perf/eval_s": time.perf_counter() - t0}
 
@@ -60,6 +64,16 @@ def _failure(rows: list[dict], zero_reward_steps: int) -> str:
     if zero_reward_steps >= COLLAPSE_STEPS:
         return f"reward collapsed: exactly 0 for {COLLAPSE_STEPS} consecutive steps"
     return ""
+
+
+def _claim(run_dir: Path, config_text: str) -> None:
+    """Write the run's config, or check that the folder already holds this very config (a resume)."""
+    path = run_dir / "config.yaml"
+    if path.exists() and path.read_text(encoding="utf-8") != config_text:
+        raise ConfigError(f"run folder {run_dir} holds a run of a different config; resuming it would mix two "
+                          "configs in one table: remove the folder or choose another")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, config_text)
 
 
 def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
@@ -87,8 +101,7 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     validate(cfg)
     torch.set_num_threads(cfg.threads)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+    _claim(run_dir, dump_yaml(cfg))
     log = RunLog(run_dir, run_info(cfg, run_id, arm))
     task, policy, rollout_policy, ref_model, optimizer = _setup(cfg, progress)
     torch.manual_seed(cfg.seed)  # after setup: loading or warming up the model may consume random numbers

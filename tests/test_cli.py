@@ -16,6 +16,14 @@ def test_bad_override_fails_before_any_work(tmp_path, capsys, override, field):
     assert not (tmp_path / "out").exists(), "nothing may be written before the config is valid"
 
 
+@pytest.mark.parametrize("override,field", [("task.length=2", "task.length"), ("model.checkpoint=/no/such", "model.checkpoint"),
+                                            ("model.max_positions=12", "model.max_positions")])
+def test_task_and_model_mismatches_fail_before_any_folder_is_made(tmp_path, capsys, override, field):
+    code = main(["run", "smoke", "--out", str(tmp_path / "out"), override])
+    assert code == 2 and field in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_flag_and_unknown_experiment(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["run", "smoke", "--out", str(tmp_path), "--bogus"])

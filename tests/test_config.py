@@ -28,6 +28,8 @@ BAD = [
     ({"coldstart": {"target_accuracy": 1.5}}, "coldstart.target_accuracy", "<= 1.0"),
     ({"rl": {"steps": "ten"}}, "rl.steps", "expected"),
     ({"rl": {"steps": True}}, "rl.steps", "expected"),
+    ({"rl": {"clip_high": float("inf")}}, "rl.clip_high", "finite"),
+    ({"rl": {"lr": float("nan")}}, "rl.lr", "finite"),
 ]
 
 

@@ -252,3 +252,16 @@ def test_hooks_are_removed_on_exit_and_on_error():
             assert count() != before
             model(x[:2])
     assert count() == before
+
+
+@pytest.mark.parametrize("bad,message", [(200, "found expert id 200"), (-1, "same expert twice")])
+def test_replay_refuses_impossible_ids_before_the_forward(bad, message):
+    model = tiny_model("qwen3_moe")
+    x = tokens()
+    trace, _ = recorded(model, x)
+    ids = trace.indices.clone()
+    ids[0, 0, 0, 0] = bad if bad >= 0 else ids[0, 0, 0, 1]  # out of range, or a duplicate within the top-k
+    forged = Trace(ids, None, num_experts=trace.num_experts, family=trace.family)
+    with pytest.raises(ValueError, match=message):
+        with replay(model, forged):
+            model(x)

@@ -141,6 +141,14 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path):
                                   pd.read_parquet(tmp_path / "killed" / "eval.parquet").drop(columns=TIMING, errors="ignore"))
 
 
+def test_train_refuses_a_folder_holding_another_config(tmp_path):
+    from moe_lab.config import ConfigError
+
+    train(tiny(tmp_path, "rl.steps=1"), tmp_path / "run", run_id="a")
+    with pytest.raises(ConfigError, match="different config"):
+        train(tiny(tmp_path, "rl.steps=1", "rl.algo=gspo"), tmp_path / "run", run_id="a")
+
+
 def test_existing_run_folder_is_not_overwritten_silently(tmp_path):
     from moe_lab.config import ConfigError
 

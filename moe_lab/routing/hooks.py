@@ -41,6 +41,16 @@ def check_trace(model: nn.Module, trace: Trace, batch_shape: tuple[int, int] | N
              for name, t, m in pairs if t != m]
     if diffs:
         raise ValueError("trace does not match: " + "; ".join(diffs))
+    _check_ids(trace)
+
+
+def _check_ids(trace: Trace) -> None:
+    """Forced ids must name real experts, k distinct ones per token (else gather fails, or a CUDA assert)."""
+    ids = trace.indices.long()
+    if ids.numel() and int(ids.max()) >= trace.num_experts:
+        raise ValueError(f"trace ids: found expert id {int(ids.max())}; allowed 0..{trace.num_experts - 1}")
+    if trace.top_k > 1 and bool((ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        raise ValueError("trace ids: a token lists the same expert twice in its top-k; allowed: k distinct ids")
 
 
 def _call_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
