@@ -202,6 +202,19 @@ def _token_advantages(advantages: torch.Tensor, keep_BT: torch.Tensor, dtype: to
     return torch.where(keep_BT, adv_BT, torch.zeros((), dtype=dtype, device=adv.device))
 
 
+def _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT):
+    """(logp_new, logp_old, adv_BT, keep_BT) in at least fp32, every masked position set to 0."""
+    # Log ratios in (at least) fp32: bf16 log-probs differ in the 3rd digit, ratios need more.
+    dtype = torch.promote_types(torch.promote_types(logp_new_BT.dtype, logp_old_BT.dtype), torch.float32)
+    keep_BT = mask_BT.bool()
+    zero = torch.zeros((), dtype=dtype, device=logp_new_BT.device)
+    # torch.where BEFORE any arithmetic: garbage at masked positions never reaches a product,
+    # and where's backward gives those positions an exact 0 gradient.
+    logp_new_BT = torch.where(keep_BT, logp_new_BT.to(dtype), zero)
+    logp_old_BT = torch.where(keep_BT, logp_old_BT.detach().to(dtype), zero)
+    return logp_new_BT, logp_old_BT, _token_advantages(advantages, keep_BT, dtype), keep_BT
+
+
 # ---------------------------------------------------------------- the objective
 
 
@@ -233,16 +246,7 @@ def policy_loss(
     _check_mask(mask_BT, shape, allow_empty_rows=False)
     _check_advantages(advantages, mask_BT, algo)
 
-    # Log ratios in (at least) fp32: bf16 log-probs differ in the 3rd digit, ratios need more.
-    dtype = torch.promote_types(torch.promote_types(logp_new_BT.dtype, logp_old_BT.dtype), torch.float32)
-    keep_BT = mask_BT.bool()
-    zero = torch.zeros((), dtype=dtype, device=logp_new_BT.device)
-    # torch.where BEFORE any arithmetic: garbage at masked positions never reaches a product,
-    # and where's backward gives those positions an exact 0 gradient.
-    logp_new_BT = torch.where(keep_BT, logp_new_BT.to(dtype), zero)
-    logp_old_BT = torch.where(keep_BT, logp_old_BT.detach().to(dtype), zero)
-    adv_BT = _token_advantages(advantages, keep_BT, dtype)
-
+    logp_new_BT, logp_old_BT, adv_BT, keep_BT = _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT)
     raw_d_BT = logp_new_BT - logp_old_BT
     token_clamped_BT = raw_d_BT.detach().abs() > LOG_RATIO_BOUND
     # Clamp before exp: exp(88) overflows fp32. +-20 (as verl) is far outside any clip range, so

@@ -100,6 +100,14 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def config_state(run_dir: Path, config_text: str) -> str:
+    """'new' (no config yet), 'same' (this very config: a resume or a finished run) or 'other'."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        return "new"
+    return "same" if path.read_text(encoding="utf-8") == config_text else "other"
+
+
 class RunLog:
     """The rows and status of one run, flushed atomically together with each checkpoint."""
 

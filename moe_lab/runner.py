@@ -6,7 +6,6 @@ a run of a different config is never overwritten unless asked.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -19,19 +18,22 @@ import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.experiment import Cell, expand
-from moe_lab.runlog import STATUS_DONE, atomic_write_text, read_json
+from moe_lab.runlog import STATUS_DONE, atomic_write_text, config_state, read_json
 
 
 def _preflight(cells: list[Cell]) -> None:
     """Task size, sequence budget and checkpoint path of every distinct setup, before any folder is made."""
     from moe_lab.coldstart import preflight
 
-    seen = set()
-    for c in cells:
-        key = dump_yaml(c.config.model) + dump_yaml(c.config.task)
-        if key not in seen:
-            seen.add(key)
-            preflight(c.config)
+    for cfg in _distinct_setups(cells):
+        preflight(cfg)
+
+
+def _distinct_setups(cells: list[Cell]) -> list:
+    """One config per cold-start cache entry: the cells that share it need one cold start and one check."""
+    from moe_lab.coldstart import cache_key
+
+    return list({cache_key(c.config): c.config for c in cells}.values())
 
 
 def default_jobs(threads_per_run: int = 1) -> int:
@@ -40,11 +42,9 @@ def default_jobs(threads_per_run: int = 1) -> int:
 
 def _cell_state(cell: Cell, run_dir: Path) -> str:
     """'new', 'done', 'resume', or 'conflict' (the folder holds another config)."""
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.exists():
-        return "new"
-    if cfg_path.read_text(encoding="utf-8") != dump_yaml(cell.config):
-        return "conflict"
+    state = config_state(run_dir, dump_yaml(cell.config))
+    if state != "same":
+        return "conflict" if state == "other" else "new"
     return "done" if read_json(run_dir / "manifest.json").get("status") == STATUS_DONE else "resume"
 
 
@@ -135,9 +135,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
          f"{len(groups['new'])} new; {jobs} worker(s) -> {out}")
     statuses = {c.run_id: STATUS_DONE for c in groups["done"]}
     if todo:
-        warm = {json.dumps([c.config.model.__dict__, c.config.task.__dict__, c.config.coldstart.__dict__],
-                           sort_keys=True, default=str): c.config for c in todo}
-        _run_parallel(_coldstart_worker, [(cfg,) for cfg in warm.values()], jobs, "cold start", progress)
+        _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
         items = [(c, str(runs_dir / c.run_id)) for c in todo]
         statuses.update(dict(_run_parallel(_train_worker, items, jobs, "runs", progress)))
     return statuses

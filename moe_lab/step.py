@@ -6,7 +6,6 @@ chooses which trace, if any, the update forwards are forced to follow. Nothing e
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -49,15 +48,10 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     routing, as the updates will: otherwise the first update's ratios would compare two routings and
     be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
     """
-    gen = _noise_gen(cfg.seed, step, 0)
-    if cfg.rl.replay == "rollout":
-        with replay(policy, batch.trace, noise_std=cfg.rl.router_noise, generator=gen) as handle:
-            logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-        used, free = batch.trace, handle.latent
-    else:
-        with record(policy, noise_std=cfg.rl.router_noise, generator=gen) as used:
-            logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-        free = used
+    forced = batch.trace if cfg.rl.replay == "rollout" else None
+    with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0)) as handle:
+        logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
+    used, free = (handle, handle) if forced is None else (forced, handle.latent)
     return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
 
 
@@ -176,7 +170,7 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
     if math.isfinite(grad_norm):
         optimizer.step()
-    used, latent = (handle, handle) if forced is None else (forced, handle.latent)
+    used, latent = (handle, handle) if forced is None else (forced, handle.latent)  # as in _old_pass
     ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[rows]
     metrics.update(_routing_row(ref, used, latent, data.batch.response_mask_BT[rows]))
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,

@@ -20,7 +20,7 @@ from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import accuracy
-from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text
+from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text, config_state
 from moe_lab.step import rl_step
 from moe_lab.tasks import get_task, load_tokenizer
 
@@ -68,12 +68,11 @@ def _failure(rows: list[dict], zero_reward_steps: int) -> str:
 
 def _claim(run_dir: Path, config_text: str) -> None:
     """Write the run's config, or check that the folder already holds this very config (a resume)."""
-    path = run_dir / "config.yaml"
-    if path.exists() and path.read_text(encoding="utf-8") != config_text:
+    if config_state(run_dir, config_text) == "other":
         raise ConfigError(f"run folder {run_dir} holds a run of a different config; resuming it would mix two "
                           "configs in one table: remove the folder or choose another")
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, config_text)
+    atomic_write_text(run_dir / "config.yaml", config_text)
 
 
 def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
