@@ -13,6 +13,16 @@ An experiment YAML::
 
 An arm may carry its own list of points under ``_points`` (e.g. clip ranges that differ per algorithm):
 ``gspo: {rl: {algo: gspo}, _points: [{rl.clip_low: 1e-4, rl.clip_high: 1.3e-4}, ...]}``.
+
+Instead of a ``sweep``, ``factors`` varies one factor at a time around ``base`` (the stability atlas)::
+
+    factors:
+      updates: {"4": {}, "16": {rl.minibatches: 16}}   # level label -> overrides; {} is the base itself
+      lag: {"0": {}, "1": {rl.rollout_lag: 1}}
+
+Every arm runs once at the base point (arm label ``<arm>__base``) and once per non-empty level
+(``<arm>__<factor>=<level>``); a level of ``{}`` names where the base point sits on that factor's axis,
+so the base cells are shared by every factor instead of being run once per factor.
 Every cell's config is validated before any cell runs.
 """
 
@@ -24,7 +34,8 @@ from typing import Any
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
 
-TOP_KEYS = ("name", "description", "base", "arms", "sweep", "seeds")
+TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds")
+BASE_LABEL = "base"
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,36 @@ def _label(point: dict[str, Any]) -> str:
     return "".join(f"__{k}={_fmt(v)}" for k, v in point.items())
 
 
+def factor_levels(exp: dict) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """The ``factors`` block checked: factor -> [(level label, overrides)] in the order written."""
+    spec = exp.get("factors")
+    if spec is None:
+        return {}
+    if exp.get("sweep"):
+        raise ConfigError("experiment: 'factors' and 'sweep' exclude each other (one factor at a time, or a grid)")
+    if not isinstance(spec, dict) or not spec:
+        raise ConfigError(f"factors: expected a mapping factor -> {{level: overrides}}, got {spec!r}")
+    out = {}
+    for factor, levels in spec.items():
+        if "=" in str(factor) or "__" in str(factor) or str(factor) == BASE_LABEL:
+            raise ConfigError(f"factors.{factor}: a factor name may not contain '=' or '__' nor be '{BASE_LABEL}'")
+        if not isinstance(levels, dict) or not levels:
+            raise ConfigError(f"factors.{factor}: expected a non-empty mapping level -> overrides, got {levels!r}")
+        for level, over in levels.items():
+            if not isinstance(over, dict):
+                raise ConfigError(f"factors.{factor}.{level}: expected a mapping of dotted.field: value, got {over!r}")
+        out[str(factor)] = [(str(level), dict(over)) for level, over in levels.items()]
+    return out
+
+
+def _factor_points(exp: dict) -> list[tuple[str, dict[str, Any]]]:
+    """(label, overrides) of every distinct point of a one-factor-at-a-time design, the base first."""
+    points = [(BASE_LABEL, {})]
+    for factor, levels in factor_levels(exp).items():
+        points += [(f"{factor}={level}", over) for level, over in levels if over]
+    return points
+
+
 def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = None,
            seeds: list[int] | None = None) -> list[Cell]:
     """All cells of an experiment, validated; command-line overrides apply to every cell, last."""
@@ -78,11 +119,15 @@ def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = Non
     for arm, arm_spec in all_arms.items():
         arm_spec = dict(arm_spec or {})
         arm_points = arm_spec.pop("_points", None) or [{}]
-        for point in (_merge(p, q) for p in arm_points for q in _points(exp.get("sweep"))):
+        if exp.get("factors") is not None:
+            labelled = [(f"__{label}", {**p, **q}) for p in arm_points for label, q in _factor_points(exp)]
+        else:
+            labelled = [(_label(pt), pt) for pt in (_merge(p, q) for p in arm_points for q in _points(exp.get("sweep")))]
+        for label, point in labelled:
             data = apply_overrides(_merge(exp.get("base") or {}, arm_spec), [])
             for key, value in point.items():
                 set_dotted(data, key, value)
-            arm_name = arm + _label(point)
+            arm_name = arm + label
             for seed in seeds:
                 data["seed"] = seed
                 cfg = from_dict(apply_overrides(data, list(overrides)))

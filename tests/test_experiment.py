@@ -53,3 +53,32 @@ def test_filters_and_errors():
 def test_shipped_experiments_validate(path):
     cells = expand(load_yaml(str(path)))
     assert cells, f"{path.name} expands to no cell"
+
+
+def test_factors_vary_one_at_a_time_around_a_shared_base():
+    exp = {"base": {"rl": {"steps": 2, "minibatches": 4}},
+           "arms": {"grpo": {"rl": {"algo": "grpo"}}, "gspo": {"rl": {"algo": "gspo"}}},
+           "factors": {"updates": {"1": {"rl.minibatches": 1}, "4": {}, "16": {"rl.minibatches": 16}},
+                       "noise": {"0": {}, "0.1": {"rl.router_noise": 0.1}}},
+           "seeds": [0]}
+    cells = expand(exp)
+    arms = [c.arm for c in cells]
+    # base once per arm, then every non-empty level: 2 arms x (1 + 2 + 1)
+    assert arms[:4] == ["grpo__base", "grpo__updates=1", "grpo__updates=16", "grpo__noise=0.1"]
+    assert len(cells) == 8
+    by = {c.run_id: c.config for c in cells}
+    assert by["gspo__base-s0"].rl.minibatches == 4 and by["gspo__base-s0"].rl.router_noise == 0.0
+    assert by["gspo__updates=16-s0"].rl.minibatches == 16 and by["gspo__updates=16-s0"].rl.router_noise == 0.0
+    assert by["grpo__noise=0.1-s0"].rl.router_noise == 0.1 and by["grpo__noise=0.1-s0"].rl.minibatches == 4
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"factors": {"x": {"1": {}}}, "sweep": {"rl.lr": [0.1]}}, "exclude each other"),
+    ({"factors": []}, "expected a mapping"),
+    ({"factors": {"x": []}}, "non-empty mapping"),
+    ({"factors": {"x": {"1": 3}}}, r"factors\.x\.1"),
+    ({"factors": {"a=b": {"1": {}}}}, "may not contain"),
+])
+def test_factor_errors_name_the_entry(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        expand(bad)
