@@ -16,7 +16,7 @@ per-token loss terms of any objective. r = exp(logp_old - logp_rollout) (as verl
 
 MIS follows the blog's definition rho 1[rho <= C] (upper only); verl's Seq-MIS preset also rejects
 R_i < 0.5: pass lower=0.5 for that. Comparisons against the bounds are made in log space on the
-unclamped log-ratio (no overflow, exact at the band's edges); weights are 0 at masked positions.
+unclamped log-ratio (no overflow; the band is closed); weights are 0 at masked positions.
 """
 
 from __future__ import annotations
