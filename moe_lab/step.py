@@ -93,14 +93,14 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     if rl.old_logp == "old_forward":
         logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
         metrics.update(_mismatch_metrics(batch, logp_old_BT, free_trace))
+    else:  # section 5.4: the sampler's log-probs and routing stand in for the old policy's
+        logp_old_BT, old_trace = batch.logp_rollout_BT, batch.trace
     is_weights_BT = None
     if rl.rollout_correction != "none":  # config refuses it with old_logp=rollout (no gap to correct)
         is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
                                                  mode=rl.rollout_correction, upper=rl.rollout_correction_upper,
                                                  lower=rl.rollout_correction_lower)
         metrics.update({key: float(value) for key, value in corr.items()})
-    else:  # section 5.4: the sampler's log-probs and routing stand in for the old policy's
-        logp_old_BT, old_trace = batch.logp_rollout_BT, batch.trace
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "reward":
         with torch.no_grad():
             ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
