@@ -77,15 +77,30 @@ class ColdStartConfig:
 
 @dataclass
 class RLConfig:
-    algo: str = param("grpo", "policy objective", choices=("grpo", "gspo", "gspo_token", "gspo_unnormalized"))
+    algo: str = param("grpo", "policy objective (formulas: moe_lab/objectives.py)",
+                      choices=("grpo", "gspo", "gspo_token", "gspo_unnormalized", "sapo", "cispo", "gmpo", "rspo"))
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
                                 "rollout (R3: routing recorded during generation)", choices=("none", "old", "rollout"))
-    clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO 3e-4)", ge=0.0, lt=1.0)
-    clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO 4e-4)", ge=0.0)
+    clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO 3e-4, CISPO 1.0 = no lower bound, "
+                                         "GMPO/RSPO 0.4 in log space; SAPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
+    clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO 4e-4, CISPO 0.28, GMPO/RSPO 0.4 "
+                                          "in log space)", ge=0.0)
     loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences; -norm divides each "
                                                  "sequence's token sum by the task's fixed response budget",
                           choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
-    dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages; None = off", gt=1.0)
+    dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages (grpo and gspo variants); "
+                                            "None = off", gt=1.0)
+    sapo_tau_pos: float = param(1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0)
+    sapo_tau_neg: float = param(1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)", gt=0.0)
+    rspo_floor: float = param(0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma but gives "
+                                   "no value we could read; 0.5 is ours)", gt=0.0, le=1.0)
+    rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
+                                            "truncate (tis), mask (mis) or IcePop's two-sided mask",
+                                    choices=("none", "tis_token", "tis_seq", "mis_token", "mis_seq", "icepop"))
+    rollout_correction_upper: float | None = param(None, "upper bound of the rollout-correction ratio; None = the mode's "
+                                                         "(tis/mis 2.0 as verl, icepop 5.0)", gt=0.0)
+    rollout_correction_lower: float | None = param(None, "lower bound (mis, icepop only); None = the mode's (mis none, "
+                                                         "icepop 0.5)", gt=0.0)
     old_logp: str = param("old_forward", "source of logp_old: a forward pass of the old policy, or the rollout's own "
                                           "log-probs (the paper's section 5.4 option)", choices=("old_forward", "rollout"))
     steps: int = param(40, "RL steps (one rollout batch each)", ge=1)
@@ -125,7 +140,12 @@ class RunConfig:
     threads: int = param(1, "torch intra-op threads of one run (parallel runs share the cores)", ge=1)
 
 
-PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4)}
+# CISPO: no lower bound on its IS weight (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper
+# publishing none; GMPO/RSPO: +-0.4 on the LOG ratio; SAPO has no clip (GRPO's range for clip_frac/*).
+PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4),
+              "sapo": (0.2, 0.27), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4)}
+ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "tis_seq": (None, 2.0),
+                             "mis_token": (None, 2.0), "mis_seq": (None, 2.0), "icepop": (0.5, 5.0)}
 
 
 def resolved_clip(rl: RLConfig) -> tuple[float, float]:
@@ -198,9 +218,33 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
     low, high = resolved_clip(rl)
-    if not (0.0 <= low < 1.0 and high >= 0.0):
+    if not (0.0 <= low < (1.0 if rl.algo not in ("cispo", "gmpo", "rspo") else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
+    if rl.dual_clip_c is not None and rl.algo in ("sapo", "cispo", "gmpo", "rspo"):
+        raise ConfigError(f"rl.dual_clip_c={rl.dual_clip_c}: applies to grpo and the gspo variants only, not "
+                          f"rl.algo={rl.algo}; leave it None")
+    _check_rollout_correction(rl)
     return cfg
+
+
+def _check_rollout_correction(rl: RLConfig) -> None:
+    mode = rl.rollout_correction
+    if mode == "none":
+        if rl.rollout_correction_upper is not None or rl.rollout_correction_lower is not None:
+            raise ConfigError("rl.rollout_correction_upper/lower are set but rl.rollout_correction=none; "
+                              "choose a mode (tis_token, tis_seq, mis_token, mis_seq, icepop) or leave them None")
+        return
+    if rl.old_logp == "rollout":
+        raise ConfigError(f"rl.rollout_correction={mode} needs rl.old_logp='old_forward' (with the rollout's own "
+                          "log-probs as logp_old there is no training-inference gap to correct)")
+    if mode.startswith("tis") and rl.rollout_correction_lower is not None:
+        raise ConfigError(f"rl.rollout_correction_lower={rl.rollout_correction_lower}: applies to mis_token, mis_seq "
+                          f"and icepop only, not {mode}; leave it None")
+    default_low, default_up = ROLLOUT_CORRECTION_BOUNDS[mode]
+    low = default_low if rl.rollout_correction_lower is None else rl.rollout_correction_lower
+    up = default_up if rl.rollout_correction_upper is None else rl.rollout_correction_upper
+    if low is not None and not low < up:
+        raise ConfigError(f"rl.rollout_correction_lower={low} must be < rl.rollout_correction_upper={up}")
 
 
 # --------------------------------------------------------------------------- dict / YAML / overrides

@@ -1,8 +1,9 @@
-"""Policy objectives: GRPO (token ratio), GSPO (sequence ratio), GSPO-token, and the KL estimators.
+"""Policy loss around the objective registry (``moe_lab.objectives``), and the KL estimators.
 
-Everything is a pure tensor function. ``policy_loss`` returns the loss to MINIMISE (= minus the
-clipped surrogate objective) and a dict of detached metrics. Switching algorithm changes one thing,
-the ratio (``_log_ratio_BT``); the clipped surrogate, dual clip, aggregation and metrics are shared.
+Everything is a pure tensor function. ``policy_loss`` returns the loss to MINIMISE and a dict of
+detached metrics. Switching algorithm changes one thing, the objective function picked from
+``OBJECTIVES`` (per-token loss terms + its own metrics); input checks, masking, the +-20 clamp,
+rollout-correction weights, aggregation and the shared metrics are here, once.
 
 Conventions checked against the peers (verl ``compute_policy_loss_vanilla`` /
 ``compute_policy_loss_gspo`` / ``agg_loss``, ROLL ``importance_sampling: seq``, TRL GRPO):
@@ -22,10 +23,18 @@ import math
 
 import torch
 
+from moe_lab.objectives import (
+    OBJECTIVES,
+    RSPO_FLOOR_DEFAULT,
+    SAPO_TAU_NEG_DEFAULT,
+    SAPO_TAU_POS_DEFAULT,
+    ObjectiveInputs,
+)
 from moe_lab.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
 __all__ = [
     "ALGOS",
+    "ALL_ALGOS",
     "LOSS_AGGS",
     "KL_KINDS",
     "masked_mean",
@@ -35,7 +44,10 @@ __all__ = [
     "policy_loss",
 ]
 
+# The PPO-clip family (a clipped surrogate on a token or sequence ratio, dual clip allowed): the
+# algorithms the clipped-surrogate properties and the golden file hold for.
 ALGOS = ("grpo", "gspo", "gspo_token", "gspo_unnormalized")
+ALL_ALGOS = tuple(OBJECTIVES)
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 
@@ -71,12 +83,18 @@ def _check_mask(mask_BT, shape: tuple[int, ...], allow_empty_rows: bool) -> None
 
 
 def _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len) -> None:
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if algo not in OBJECTIVES:
+        raise ValueError(f"algo must be one of {ALL_ALGOS}, got {algo!r}")
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    if not (isinstance(clip_low, (int, float)) and 0.0 <= clip_low < 1.0):
+    low_max = OBJECTIVES[algo].clip_low_max
+    if low_max == math.inf:  # cispo (ratios >= 0: clip_low >= 1 = no lower bound), gmpo/rspo (log space)
+        if not (isinstance(clip_low, (int, float)) and 0.0 <= clip_low < math.inf):
+            raise ValueError(f"clip_low must be a finite float >= 0 for algo={algo!r}, got {clip_low!r}")
+    elif not (isinstance(clip_low, (int, float)) and 0.0 <= clip_low < low_max):
         raise ValueError(f"clip_low must be a float with 0 <= clip_low < 1, got {clip_low!r}")
+    if dual_clip_c is not None and not OBJECTIVES[algo].dual_clip:
+        raise ValueError(f"dual_clip_c applies to the PPO-clip algos {ALGOS} only, not algo={algo!r}: pass None")
     if not (isinstance(clip_high, (int, float)) and 0.0 <= clip_high < math.inf):
         raise ValueError(f"clip_high must be a finite float >= 0, got {clip_high!r}")
     if dual_clip_c is not None and not (isinstance(dual_clip_c, (int, float)) and 1.0 < dual_clip_c < math.inf):
@@ -91,7 +109,7 @@ def _check_advantages(advantages, mask_BT: torch.Tensor, algo: str) -> None:
         raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {_shape(advantages)}")
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating tensor, got dtype {advantages.dtype}")
-    if advantages.ndim == 2 and algo in ("gspo", "gspo_unnormalized"):
+    if advantages.ndim == 2 and algo in ("gspo", "gspo_unnormalized"):  # gmpo/rspo average them (as verl)
         keep_BT = mask_BT.bool()
         high_B = torch.where(keep_BT, advantages, -math.inf).amax(dim=-1)
         low_B = torch.where(keep_BT, advantages, math.inf).amin(dim=-1)
@@ -158,44 +176,6 @@ def kl_penalty(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.
     return torch.where(keep_BT, kl_BT, zero)
 
 
-def _log_ratio_BT(
-    d_BT: torch.Tensor, logp_new_BT: torch.Tensor, mask_BT: torch.Tensor, algo: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ONE place where the algorithms differ: the log of the ratio each token's term is clipped on.
-
-    Returns (log_ratio_BT, seq_clamped_B). d_BT is already clamped and 0 at masked positions.
-    """
-    if algo == "grpo":
-        return d_BT, torch.zeros(d_BT.shape[0], dtype=torch.bool, device=d_BT.device)
-    log_seq_B = d_BT.sum(dim=-1)
-    if algo != "gspo_unnormalized":
-        log_seq_B = log_seq_B / mask_BT.sum(dim=-1)  # geometric mean: the paper's s_i
-    # The mean of clamped d is within the bound already; the unnormalised sum is not (T * 20).
-    seq_clamped_B = log_seq_B.detach().abs() > LOG_RATIO_BOUND
-    log_seq_B = log_seq_B.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    if algo == "gspo_token":
-        # log s_it = sg[log s_i] + logp_it - sg[logp_it]: value s_i, gradient of token t's own logp.
-        return log_seq_B.detach().unsqueeze(-1) + (logp_new_BT - logp_new_BT.detach()), seq_clamped_B
-    return log_seq_B.unsqueeze(-1).expand_as(d_BT), seq_clamped_B
-
-
-def _clipped_surrogate(
-    ratio_BT: torch.Tensor, adv_BT: torch.Tensor, clip_low: float, clip_high: float, dual_clip_c: float | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token objective (to MAXIMISE) and the flags of where clip / dual clip zeroed the gradient."""
-    unclipped_BT = ratio_BT * adv_BT
-    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_BT
-    objective_BT = torch.minimum(unclipped_BT, clipped_BT)
-    clip_active_BT = (clipped_BT < unclipped_BT).detach()
-    dual_active_BT = torch.zeros_like(clip_active_BT)
-    if dual_clip_c is not None:
-        negative_BT = adv_BT < 0
-        bound_BT = dual_clip_c * adv_BT  # for A < 0 the objective may not fall below c A
-        dual_active_BT = (negative_BT & (bound_BT > objective_BT)).detach()
-        objective_BT = torch.where(negative_BT, torch.maximum(objective_BT, bound_BT), objective_BT)
-    return objective_BT, clip_active_BT, dual_active_BT
-
-
 def _token_advantages(advantages: torch.Tensor, keep_BT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     adv = advantages.detach().to(dtype)
     adv_BT = adv.unsqueeze(-1).expand(keep_BT.shape) if adv.ndim == 1 else adv
@@ -218,6 +198,33 @@ def _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT):
 # ---------------------------------------------------------------- the objective
 
 
+def _check_objective_params(algo, sapo_tau_pos, sapo_tau_neg, rspo_floor) -> None:
+    for name, tau in (("sapo_tau_pos", sapo_tau_pos), ("sapo_tau_neg", sapo_tau_neg)):
+        if not (isinstance(tau, (int, float)) and 0.0 < tau < math.inf):
+            raise ValueError(f"{name} must be a finite float > 0, got {tau!r}")
+    if not (isinstance(rspo_floor, (int, float)) and 0.0 < rspo_floor <= 1.0):
+        raise ValueError(f"rspo_floor must be a float with 0 < rspo_floor <= 1, got {rspo_floor!r}")
+
+
+def _check_token_weights(name: str, x, shape: tuple[int, ...]) -> None:
+    if x is None:
+        return
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or not x.is_floating_point():
+        raise ValueError(f"{name} must be None or a floating tensor of shape {shape}, got {_shape(x)}")
+
+
+def _fold_is_weights(w_BT: torch.Tensor, keep_BT: torch.Tensor, sequence_level: bool) -> torch.Tensor:
+    """The factor each per-token term is multiplied by: the weight itself, or for an objective with
+    one geometric-mean ratio per sequence (gmpo, rspo) the geometric mean of its tokens' weights,
+    broadcast, as verl's geo_mean does. A masked-out token (w = 0) enters as log(1e-10) as there
+    (verl takes log(w + 1e-10)), so it scales its sequence down by 1e-10^(1/|y_i|) rather than
+    dropping it; the floor instead of verl's + 1e-10 keeps weights of 1 exactly 1."""
+    if not sequence_level:
+        return w_BT
+    log_w_BT = torch.where(keep_BT, torch.log(w_BT.clamp_min(1e-10)), torch.zeros_like(w_BT))
+    return torch.exp(log_w_BT.sum(dim=-1) / keep_BT.sum(dim=-1)).unsqueeze(-1).expand_as(w_BT)
+
+
 def policy_loss(
     logp_new_BT: torch.Tensor,
     logp_old_BT: torch.Tensor,
@@ -230,21 +237,33 @@ def policy_loss(
     loss_agg: str = "seq-mean-token-mean",
     dual_clip_c: float | None = None,
     norm_len: float | None = None,
+    sapo_tau_pos: float = SAPO_TAU_POS_DEFAULT,
+    sapo_tau_neg: float = SAPO_TAU_NEG_DEFAULT,
+    rspo_floor: float = RSPO_FLOOR_DEFAULT,
+    router_gamma_BT: torch.Tensor | None = None,
+    is_weights_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy loss (to minimise) and its metrics (see docs/metrics.md).
+    """Policy loss (to minimise) of objective ``algo`` and its metrics (see docs/metrics.md).
 
-    logp_new_BT carries the gradient; logp_old_BT and advantages are treated as constants.
-    advantages: (B,) per sequence or (B, T) per token (for gspo / gspo_unnormalized it must be
-    constant over each response). mask_BT: 1 on response tokens; every row needs one. Masked
-    positions may hold anything (NaN, inf): they change neither loss, gradient nor metrics.
-    norm_len is used by seq-mean-token-sum-norm only (default T).
+    logp_new_BT carries the gradient; logp_old_BT, advantages, router_gamma_BT and is_weights_BT
+    are treated as constants. advantages: (B,) per sequence or (B, T) per token (for gspo /
+    gspo_unnormalized it must be constant over each response). mask_BT: 1 on response tokens; every
+    row needs one. Masked positions may hold anything (NaN, inf): they change neither loss, gradient
+    nor metrics. norm_len is used by seq-mean-token-sum-norm only (default T).
+    sapo_tau_*: SAPO's gate temperatures; rspo_floor / router_gamma_BT: RSPO's floor and per-token
+    router-shift ratio (None = 1: unchanged router). is_weights_BT: rollout-correction weights
+    (``rollout_correction.rollout_correction``), multiplied into the per-token terms before the
+    aggregation (for gmpo/rspo folded per sequence as a geometric mean, see ``_fold_is_weights``).
     """
     _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len)
+    _check_objective_params(algo, sapo_tau_pos, sapo_tau_neg, rspo_floor)
     _check_logp("logp_new_BT", logp_new_BT, None)
     shape = tuple(logp_new_BT.shape)
     _check_logp("logp_old_BT", logp_old_BT, shape)
     _check_mask(mask_BT, shape, allow_empty_rows=False)
     _check_advantages(advantages, mask_BT, algo)
+    _check_token_weights("router_gamma_BT", router_gamma_BT, shape)
+    _check_token_weights("is_weights_BT", is_weights_BT, shape)
 
     logp_new_BT, logp_old_BT, adv_BT, keep_BT = _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT)
     raw_d_BT = logp_new_BT - logp_old_BT
@@ -252,21 +271,29 @@ def policy_loss(
     # Clamp before exp: exp(88) overflows fp32. +-20 (as verl) is far outside any clip range, so
     # the clamp only changes tokens whose probability moved by a factor > 4.8e8.
     d_BT = raw_d_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    log_ratio_BT, seq_clamped_B = _log_ratio_BT(d_BT, logp_new_BT, keep_BT, algo)
-    ratio_BT = torch.exp(log_ratio_BT)
-
-    objective_BT, clip_active_BT, dual_active_BT = _clipped_surrogate(
-        ratio_BT, adv_BT, clip_low, clip_high, dual_clip_c
-    )
-    loss = aggregate_loss(-objective_BT, keep_BT, loss_agg, norm_len=norm_len)
+    dtype = d_BT.dtype
+    if router_gamma_BT is not None:
+        router_gamma_BT = torch.where(keep_BT, router_gamma_BT.detach().to(dtype), torch.ones((), dtype=dtype))
+    objective = OBJECTIVES[algo]
+    terms = objective.fn(ObjectiveInputs(
+        d_BT, logp_new_BT, adv_BT, keep_BT, clip_low, clip_high, dual_clip_c,
+        sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, rspo_floor=rspo_floor, router_gamma_BT=router_gamma_BT,
+    ))
+    loss_BT = terms.loss_BT
+    if is_weights_BT is not None:  # only when given: the default path stays bit-identical
+        w_BT = torch.where(keep_BT, is_weights_BT.detach().to(dtype), torch.zeros((), dtype=dtype))
+        loss_BT = loss_BT * _fold_is_weights(w_BT, keep_BT, objective.sequence_level)
+    loss = aggregate_loss(loss_BT, keep_BT, loss_agg, norm_len=norm_len)
+    metric_low, metric_high = terms.metric_range
     metrics = policy_metrics(
         d_BT,
-        ratio_BT,
+        terms.ratio_BT,
         keep_BT,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_active_BT=clip_active_BT,
-        dual_active_BT=dual_active_BT,
-        clamped_BT=token_clamped_BT | seq_clamped_B.unsqueeze(-1),
+        clip_low=metric_low,
+        clip_high=metric_high,
+        clip_active_BT=terms.clip_active_BT,
+        dual_active_BT=terms.dual_active_BT,
+        clamped_BT=token_clamped_BT | terms.seq_clamped_B.unsqueeze(-1),
     )
+    metrics.update({key: value.detach().to(torch.float32).reshape(()) for key, value in terms.metrics.items()})
     return loss, metrics

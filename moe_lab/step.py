@@ -16,6 +16,7 @@ from moe_lab.advantages import group_advantages
 from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.optim import set_lr
+from moe_lab.rollout_correction import rollout_correction
 from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
 from moe_lab.routing import Trace, load_metrics, record, replay, routing_metrics
 
@@ -34,6 +35,7 @@ class StepData:
     forced_trace: Trace | None  # what replay forces in the updates (None: free routing)
     batch_metrics: dict[str, float]
     norm_len: int  # fixed length for seq-mean-token-sum-norm: the task's response budget, not the batch's T
+    is_weights_BT: torch.Tensor | None = None  # rollout-correction weights (rl.rollout_correction); None = off
 
 
 def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
@@ -93,6 +95,12 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
         metrics.update(_mismatch_metrics(batch, logp_old_BT, free_trace))
     else:  # section 5.4: the sampler's log-probs and routing stand in for the old policy's
         logp_old_BT, old_trace = batch.logp_rollout_BT, batch.trace
+    is_weights_BT = None
+    if rl.rollout_correction != "none":  # config refuses it with old_logp=rollout (no gap to correct)
+        is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
+                                                 mode=rl.rollout_correction, upper=rl.rollout_correction_upper,
+                                                 lower=rl.rollout_correction_lower)
+        metrics.update({key: float(value) for key, value in corr.items()})
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "reward":
         with torch.no_grad():
             ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
@@ -104,7 +112,8 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
                              adv_clip=rl.adv_clip, whiten=rl.whiten)
     metrics.update({"perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
     forced = {"none": None, "old": old_trace, "rollout": batch.trace}[rl.replay]
-    return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens)
+    return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
+                    is_weights_BT)
 
 
 def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator):
@@ -130,9 +139,12 @@ def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig) -> tupl
     out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
     logp_BT = token_logprobs(out.logits, ids, rl.temperature)
     low, high = resolved_clip(rl)
+    is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[rows]
+    # router_gamma_BT: None until the router-shift trace lands (rspo then treats gamma as 1 = gmpo).
     loss, metrics = policy_loss(logp_BT, data.logp_old_BT[rows], data.adv_B[rows], mask, algo=rl.algo,
                                 clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
-                                norm_len=data.norm_len)
+                                norm_len=data.norm_len, sapo_tau_pos=rl.sapo_tau_pos, sapo_tau_neg=rl.sapo_tau_neg,
+                                rspo_floor=rl.rspo_floor, router_gamma_BT=None, is_weights_BT=is_weights_BT)
     metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
         with torch.no_grad():

@@ -118,10 +118,13 @@ def _launch(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path):
+@pytest.mark.parametrize("overrides", [("rl.replay=rollout",),
+                                       # a new objective with rollout correction: nothing of either lives outside the checkpoint
+                                       ("rl.algo=sapo", "rl.rollout_correction=icepop", "rl.rollout_dtype=bfloat16")])
+def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides):
     from moe_lab.config import dump_yaml
 
-    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.replay=rollout", "rl.eval_every=3")
+    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.eval_every=3", *overrides)
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(dump_yaml(cfg))
     train(cfg, tmp_path / "ref", run_id="k")  # also warms the cold-start cache

@@ -1,0 +1,256 @@
+"""The objective registry: one small pure function per ``rl.algo``, mapping prepared log-ratios,
+advantages and mask to per-token loss terms (to MINIMISE) plus the objective's own metrics.
+
+``losses.policy_loss`` does everything the objectives share, in one place: input checks, masking
+(every masked position is 0 before any arithmetic), the +-20 log-ratio clamp, rollout-correction
+weights, aggregation (``aggregate_loss``) and the shared metrics (``ratio_metrics.policy_metrics``).
+Adding an objective = one function here + one line in ``OBJECTIVES`` (+ its name in
+``config.RLConfig.algo`` and a default in ``config.PAPER_CLIP``).
+
+| algo | per-token loss term L[i,t] (A = advantage, d = clamped log-ratio, w = exp(d)) | default clip | paper |
+|---|---|---|---|
+| grpo | -min(w A, clip(w, 1-lo, 1+hi) A) (+ dual clip) | 0.2 / 0.27 | DeepSeekMath / DAPO |
+| gspo | the same on s_i = exp(mean_t d) broadcast | 3e-4 / 4e-4 | arXiv:2507.18071 |
+| gspo_token | the same on s_it = sg(s_i) w_t / sg(w_t) | 3e-4 / 4e-4 | arXiv:2507.18071 |
+| gspo_unnormalized | the same on exp(sum_t d) | 3e-4 / 4e-4 | (ablation) |
+| sapo | -f(w) A, f(w) = sigmoid(tau (w - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg | (metrics only) | arXiv:2511.20347 |
+| cispo | -sg(clip(w, 1-lo, 1+hi)) A logp_new | 1.0 / 0.28 (no lower bound) | arXiv:2506.13585 |
+| gmpo | -A_i exp(mean_t c_t), c_t = d_t clipped to [-lo, hi] on A's side only | 0.4 / 0.4 (log space) | arXiv:2507.20673 |
+| rspo | gmpo on d_t + log sg(max(gamma_t, floor)) | 0.4 / 0.4 (log space) | arXiv:2510.23027 |
+
+Sequence-level objectives (gmpo, rspo) broadcast the per-sequence term over the response, so
+``seq-mean-token-mean`` gives mean_i of it (verl's ``geo_mean`` always takes that mean).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
+
+__all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "OBJECTIVES", "RSPO_FLOOR_DEFAULT",
+           "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT"]
+
+# SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
+SAPO_TAU_POS_DEFAULT = 1.0
+SAPO_TAU_NEG_DEFAULT = 1.05
+# RSPO (arXiv:2510.23027) floors gamma so a token whose old experts moved is down-weighted, never
+# dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
+# our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
+RSPO_FLOOR_DEFAULT = 0.5
+
+
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What every objective may read. All (B, T) tensors are 0 at masked positions."""
+
+    d_BT: torch.Tensor  # logp_new - logp_old, clamped to +-LOG_RATIO_BOUND; carries the gradient
+    logp_new_BT: torch.Tensor  # carries the gradient
+    adv_BT: torch.Tensor  # detached
+    keep_BT: torch.Tensor  # bool
+    clip_low: float
+    clip_high: float
+    dual_clip_c: float | None = None
+    sapo_tau_pos: float = SAPO_TAU_POS_DEFAULT
+    sapo_tau_neg: float = SAPO_TAU_NEG_DEFAULT
+    rspo_floor: float = RSPO_FLOOR_DEFAULT
+    router_gamma_BT: torch.Tensor | None = None  # 1 at masked positions; None = unchanged router
+
+
+@dataclass
+class ObjectiveTerms:
+    """An objective's output. ratio_BT / metric_range feed the shared clip and ratio metrics."""
+
+    loss_BT: torch.Tensor
+    ratio_BT: torch.Tensor  # the ratio clip_frac/* is measured on
+    clip_active_BT: torch.Tensor  # tokens whose gradient the clip zeroed
+    dual_active_BT: torch.Tensor
+    seq_clamped_B: torch.Tensor  # sequences whose log-ratio hit the +-20 clamp
+    metric_range: tuple[float, float]  # (clip_low, clip_high) of the metrics: range [1 - lo, 1 + hi]
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Objective:
+    fn: Callable[[ObjectiveInputs], ObjectiveTerms]
+    sequence_level: bool = False  # one ratio per sequence built as a geometric mean (fold IS weights so)
+    clip_low_max: float = 1.0  # exclusive upper bound on clip_low (cispo: any, ratios are >= 0)
+    dual_clip: bool = False  # accepts dual_clip_c (the PPO-clip family only)
+
+
+# ---------------------------------------------------------------- the PPO-clip family
+
+
+def _none_B(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+
+
+def _clipped_surrogate(
+    ratio_BT: torch.Tensor, adv_BT: torch.Tensor, clip_low: float, clip_high: float, dual_clip_c: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token objective (to MAXIMISE) and the flags of where clip / dual clip zeroed the gradient."""
+    unclipped_BT = ratio_BT * adv_BT
+    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_BT
+    objective_BT = torch.minimum(unclipped_BT, clipped_BT)
+    clip_active_BT = (clipped_BT < unclipped_BT).detach()
+    dual_active_BT = torch.zeros_like(clip_active_BT)
+    if dual_clip_c is not None:
+        negative_BT = adv_BT < 0
+        bound_BT = dual_clip_c * adv_BT  # for A < 0 the objective may not fall below c A
+        dual_active_BT = (negative_BT & (bound_BT > objective_BT)).detach()
+        objective_BT = torch.where(negative_BT, torch.maximum(objective_BT, bound_BT), objective_BT)
+    return objective_BT, clip_active_BT, dual_active_BT
+
+
+def _seq_log_ratio_B(d_BT: torch.Tensor, keep_BT: torch.Tensor, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    log_seq_B = d_BT.sum(dim=-1)
+    if normalize:
+        log_seq_B = log_seq_B / keep_BT.sum(dim=-1)  # geometric mean: GSPO's s_i
+    # The mean of clamped d is within the bound already; the unnormalised sum is not (T * 20).
+    seq_clamped_B = log_seq_B.detach().abs() > LOG_RATIO_BOUND
+    return log_seq_B.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), seq_clamped_B
+
+
+def _ppo_clip(x: ObjectiveInputs, log_ratio_BT: torch.Tensor, seq_clamped_B: torch.Tensor) -> ObjectiveTerms:
+    ratio_BT = torch.exp(log_ratio_BT)
+    objective_BT, clip_active_BT, dual_active_BT = _clipped_surrogate(
+        ratio_BT, x.adv_BT, x.clip_low, x.clip_high, x.dual_clip_c
+    )
+    return ObjectiveTerms(-objective_BT, ratio_BT, clip_active_BT, dual_active_BT, seq_clamped_B,
+                          (x.clip_low, x.clip_high))
+
+
+def grpo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """PPO clip on the token ratio w = exp(d)."""
+    return _ppo_clip(x, x.d_BT, _none_B(x.d_BT))
+
+
+def gspo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """PPO clip on GSPO's length-normalised sequence ratio s_i, broadcast over the response."""
+    log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
+    return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
+
+
+def gspo_unnormalized(x: ObjectiveInputs) -> ObjectiveTerms:
+    """Ablation: the sequence likelihood ratio exp(sum_t d) without GSPO's 1/|y_i|."""
+    log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=False)
+    return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
+
+
+def gspo_token(x: ObjectiveInputs) -> ObjectiveTerms:
+    """GSPO-token: log s_it = sg[log s_i] + logp_it - sg[logp_it] (value s_i, gradient of token t's logp)."""
+    log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
+    log_ratio_BT = log_seq_B.detach().unsqueeze(-1) + (x.logp_new_BT - x.logp_new_BT.detach())
+    return _ppo_clip(x, log_ratio_BT, clamped_B)
+
+
+# ---------------------------------------------------------------- SAPO
+
+
+def sapo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """SAPO (arXiv:2511.20347): a soft gate instead of the hard clip.
+
+    f(w) = sigmoid(tau (w - 1)) * 4 / tau, L = -f(w) A, with tau = sapo_tau_pos for A > 0 and
+    sapo_tau_neg for A <= 0 (as verl: a zero advantage takes tau_neg; its term is 0 anyway).
+    df/dw = 4 sigma (1 - sigma) = 1 at w = 1, so on-policy SAPO is the plain policy gradient; the
+    metric ``objective/sapo_gate_mean`` is the token mean of that factor (1 = no damping).
+    The paper aggregates seq-mean-token-mean (the default); other loss_agg values are honoured.
+    """
+    # taus built in the log-ratios' dtype: a float32 1.05 would differ from the float64 one by 4e-8.
+    tau_BT = torch.where(x.adv_BT > 0, torch.full_like(x.d_BT, x.sapo_tau_pos), torch.full_like(x.d_BT, x.sapo_tau_neg))
+    ratio_BT = torch.exp(x.d_BT)
+    sig_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0))
+    gate_BT = sig_BT * (4.0 / tau_BT)
+    slope_BT = (4.0 * sig_BT * (1.0 - sig_BT)).detach()
+    none_BT = torch.zeros_like(x.keep_BT)
+    return ObjectiveTerms(-gate_BT * x.adv_BT, ratio_BT, none_BT, none_BT, _none_B(x.d_BT),
+                          (x.clip_low, x.clip_high), {"objective/sapo_gate_mean": masked_mean(slope_BT, x.keep_BT)})
+
+
+# ---------------------------------------------------------------- CISPO
+
+
+def cispo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): L = -sg(clip(w, 1 - lo, 1 + hi)) A logp_new.
+
+    The gradient never flows through the weight: every token keeps sg(w_clipped) A grad logp, none is
+    zeroed (clip_frac/active is 0; clip_frac/out_of_range is the share of clipped weights).
+    Default range (config.PAPER_CLIP): clip_low = 1.0, clip_high = 0.28. The paper imposes no lower
+    bound on the IS weight ("set eps_low to a large value") and tunes only eps_high, whose value it
+    does not publish; any clip_low >= 1 means no lower bound (ratios are >= 0). 0.28 is DAPO's
+    clip-higher value (the baseline M1 compares with), also Trinity-RFT's CISPO default. The paper
+    aggregates token-mean over the batch; moe_lab's default loss_agg (seq-mean-token-mean) applies
+    unless rl.loss_agg says otherwise. As verl, the value uses logp_new itself (not the log-ratio):
+    the same gradient, a different constant.
+    """
+    ratio_BT = torch.exp(x.d_BT)
+    weight_BT = ratio_BT.clamp(1.0 - x.clip_low, 1.0 + x.clip_high).detach()
+    none_BT = torch.zeros_like(x.keep_BT)
+    return ObjectiveTerms(-weight_BT * x.adv_BT * x.logp_new_BT, ratio_BT, none_BT, none_BT, _none_B(x.d_BT),
+                          (x.clip_low, x.clip_high),
+                          {"objective/cispo_weight_mean": masked_mean(weight_BT, x.keep_BT)})
+
+
+# ---------------------------------------------------------------- GMPO and RSPO
+
+
+def _geometric_mean_terms(x: ObjectiveInputs, log_ratio_BT: torch.Tensor) -> ObjectiveTerms:
+    """GMPO's sequence term on per-token log-ratios: clip each on the advantage's side, then
+    ratio_i = exp(mean_t clipped), L_i = -A_i ratio_i (A_i = masked mean of the token advantages)."""
+    sign_BT = torch.sign(x.adv_BT)
+    bounded_BT = log_ratio_BT.clamp(-x.clip_low, x.clip_high)
+    # A > 0: min(d, clip(d)) clips only above; A < 0: max(d, clip(d)) only below (the paper's
+    # sgn(A) min(sgn(A) d, sgn(A) clip(d))); A = 0: 0, its term is 0 whatever the ratio.
+    clipped_BT = sign_BT * torch.minimum(sign_BT * log_ratio_BT, sign_BT * bounded_BT)
+    count_B = x.keep_BT.sum(dim=-1)
+    ratio_B = torch.exp(clipped_BT.sum(dim=-1) / count_B)
+    adv_B = x.adv_BT.sum(dim=-1) / count_B
+    clip_active_BT = ((clipped_BT != log_ratio_BT) & (sign_BT != 0)).detach()  # this token's gradient is 0
+    loss_BT = (-adv_B * ratio_B).unsqueeze(-1).expand_as(x.d_BT)
+    lo, hi = 1.0 - math.exp(-x.clip_low), math.exp(x.clip_high) - 1.0  # the log range as ratio bounds
+    return ObjectiveTerms(loss_BT, torch.exp(log_ratio_BT), clip_active_BT, torch.zeros_like(clip_active_BT),
+                          _none_B(x.d_BT), (lo, hi), {"objective/seq_ratio_mean": ratio_B.detach().mean()})
+
+
+def gmpo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """GMPO (arXiv:2507.20673): geometric mean of token ratios clipped in log space, default +-0.4.
+
+    As in the paper (and verl's ``geo_mean``) the clip range is on log(w): [-clip_low, clip_high],
+    i.e. w in [e^-0.4, e^0.4]; clip_frac/* report that range.
+    """
+    return _geometric_mean_terms(x, x.d_BT)
+
+
+def rspo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """RSPO (arXiv:2510.23027): GMPO with each token's ratio scaled by sg(max(gamma_t, floor)) BEFORE
+    the token clip and the geometric mean; gamma_t = exp(-mean over layers and old top-k experts of
+    |log p_router_new - log p_router_old|) comes from the caller (``router_gamma_BT``). Without it
+    (None) gamma = 1: the router counts as unchanged and rspo equals gmpo.
+    """
+    if x.router_gamma_BT is None:
+        scaled_BT = x.d_BT
+        gamma_BT = torch.ones_like(x.d_BT).detach()
+    else:  # policy_loss already set masked positions to 1 (log 1 = 0 adds nothing)
+        gamma_BT = x.router_gamma_BT.detach().to(x.d_BT.dtype).clamp_min(x.rspo_floor)
+        scaled_BT = x.d_BT + torch.log(gamma_BT)
+    terms = _geometric_mean_terms(x, scaled_BT)
+    raw_BT = gamma_BT if x.router_gamma_BT is None else x.router_gamma_BT.detach().to(x.d_BT.dtype)
+    terms.metrics["objective/rspo_gamma_mean"] = masked_mean(gamma_BT, x.keep_BT)
+    terms.metrics["objective/rspo_floor_frac"] = masked_mean((raw_BT < x.rspo_floor).to(x.d_BT.dtype), x.keep_BT)
+    return terms
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "grpo": Objective(grpo, dual_clip=True),
+    "gspo": Objective(gspo, dual_clip=True),
+    "gspo_token": Objective(gspo_token, dual_clip=True),
+    "gspo_unnormalized": Objective(gspo_unnormalized, dual_clip=True),
+    "sapo": Objective(sapo),
+    "cispo": Objective(cispo, clip_low_max=math.inf),
+    "gmpo": Objective(gmpo, sequence_level=True, clip_low_max=math.inf),
+    "rspo": Objective(rspo, sequence_level=True, clip_low_max=math.inf),
+}
