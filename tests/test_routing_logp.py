@@ -182,3 +182,21 @@ def test_probe_refuses_a_missing_call_and_reads_only_matching_ids():
 def test_families_all_have_a_router_logp():
     assert FAMILIES["deepseek_v3"].router_logp is not FAMILIES["qwen3_moe"].router_logp
     assert all(callable(spec.router_logp) for spec in FAMILIES.values())
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_probe_under_activation_checkpointing_keeps_one_copy_of_the_forward(forced):
+    model, x = tiny_model("qwen3_moe"), tokens()
+    with torch.no_grad(), record(model, router_logp=True) as old:
+        model(x)
+    perturb_routers(model)
+    model.train()
+    dense = {}
+    for checkpointing in (False, True):
+        model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
+        ctx = replay(model, old) if forced else record(model, router_logp=True)
+        with ctx, router_logp_probe(model) as probe:
+            model(x, labels=x).loss.backward()  # the recompute runs the routers again inside the contexts
+        dense[checkpointing] = probe.LBSE
+    assert dense[True].shape == (TINY.num_layers, *x.shape, TINY.num_experts)
+    assert torch.equal(dense[True], dense[False])
