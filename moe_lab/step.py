@@ -210,7 +210,8 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
     ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[rows]
     mask = data.batch.response_mask_BT[rows]
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
-    with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy) as current:
+    ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
+    with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
         shift = RouterShift(ref, current, mask)
         loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg, shift)
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)

@@ -171,8 +171,8 @@ def test_probe_refuses_a_missing_call_and_reads_only_matching_ids():
             pass
     with torch.no_grad(), record(model) as trace, router_logp_probe(model) as probe:
         model(x)
-    assert probe.LBSE.shape == (TINY.num_layers, *x.shape, TINY.num_experts)
-    torch.testing.assert_close(probe.LBSE.exp().sum(-1), torch.ones(TINY.num_layers, *x.shape))
+    assert probe.logp_LBSE.shape == (TINY.num_layers, *x.shape, TINY.num_experts)
+    torch.testing.assert_close(probe.logp_LBSE.exp().sum(-1), torch.ones(TINY.num_layers, *x.shape))
     with pytest.raises(ValueError, match="ids: expected"):
         probe.at(trace[:2].indices)
     with pytest.raises(ValueError, match="router_logp=1: allowed True or False"):
@@ -197,6 +197,29 @@ def test_probe_under_activation_checkpointing_keeps_one_copy_of_the_forward(forc
         ctx = replay(model, old) if forced else record(model, router_logp=True)
         with ctx, router_logp_probe(model) as probe:
             model(x, labels=x).loss.backward()  # the recompute runs the routers again inside the contexts
-        dense[checkpointing] = probe.LBSE
+        dense[checkpointing] = probe.logp_LBSE
     assert dense[True].shape == (TINY.num_layers, *x.shape, TINY.num_experts)
     assert torch.equal(dense[True], dense[False])
+
+
+def test_probe_at_given_ids_keeps_only_those_and_follows_the_kv_cache():
+    model = tiny_model("qwen3_moe")
+    prompt = tokens(B=2, S=4, seed=3)
+    torch.manual_seed(0)
+    with record(model, router_logp=True) as gen_trace:
+        seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, min_new_tokens=4,
+                             do_sample=True)
+    ids = gen_trace.indices
+    torch.manual_seed(0)
+    with router_logp_probe(model, ids) as sparse, router_logp_probe(model) as dense:
+        again = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, min_new_tokens=4,
+                               do_sample=True)
+    assert torch.equal(again, seq)
+    assert torch.equal(sparse.at(ids), dense.at(ids)) and torch.equal(sparse.at(ids), gen_trace.router_logp_LBTK)
+    with pytest.raises(RuntimeError, match="kept only the log-probs at its ids"):
+        sparse.logp_LBSE
+    with pytest.raises(ValueError, match="kept the log-probs at other ids only"):
+        sparse.at(ids.flip(-1))
+    with pytest.raises(ValueError, match="ids_LBSK: \\(B, S\\)=\\(2, 7\\) do not cover"):
+        with torch.no_grad(), router_logp_probe(model, ids):
+            model(seq)

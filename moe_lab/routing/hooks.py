@@ -183,27 +183,41 @@ def _empty_trace(layers: list, weights: bool, router_logp: bool = False) -> Trac
 
 
 class RouterLogp:
-    """Dense router log-probs logp_LBSE of one context's call(s), fp32 and detached; read at any ids with at()."""
+    """Router log-probs of one context's call(s), fp32 and detached: dense ``logp_LBSE``, read at any ids with
+    ``at(ids_LBSK)``; or, when built with ``ids_LBSK``, only the log-probs at those ids (k/E of the memory)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, ids_LBSK: Tensor | None = None):
         self._parts: list[list[Tensor]] = [[] for _ in range(num_layers)]
-        self._dense: Tensor | None = None
+        self._ids = ids_LBSK
+        self._joined: Tensor | None = None
 
-    def _append(self, pos: int, logp_BSE: Tensor) -> None:
+    def _append(self, pos: int, logp_BSE: Tensor, col0: int = 0) -> None:
+        if self._ids is not None:
+            ids_BSK = self._ids[pos][:, col0:col0 + logp_BSE.shape[1]]
+            logp_BSE = logp_BSE.gather(-1, ids_BSK.to(device=logp_BSE.device, dtype=torch.long))
         self._parts[pos].append(logp_BSE)
-        self._dense = None
+        self._joined = None
 
-    @property
-    def LBSE(self) -> Tensor:
-        if self._dense is None:
+    def _join(self) -> Tensor:
+        if self._joined is None:
             if not all(self._parts) or len({len(p) for p in self._parts}) != 1:
                 raise RuntimeError("router log-probs: not every MoE layer's router ran in each call (yet)")
-            self._dense = torch.stack([torch.cat(p, dim=1) for p in self._parts])
-        return self._dense
+            self._joined = torch.stack([torch.cat(p, dim=1) for p in self._parts])
+        return self._joined
+
+    @property
+    def logp_LBSE(self) -> Tensor:
+        if self._ids is not None:
+            raise RuntimeError("router log-probs: this probe kept only the log-probs at its ids; read them with at()")
+        return self._join()
 
     def at(self, ids_LBSK: Tensor) -> Tensor:
         """log p_router(e) at the given experts (e.g. the old routing's top-k), float32 (L, B, S, K)."""
-        dense = self.LBSE
+        if self._ids is not None:
+            if ids_LBSK is not self._ids and not torch.equal(ids_LBSK, self._ids):
+                raise ValueError("ids: this probe kept the log-probs at other ids only; pass the ids it was opened with")
+            return self._join()
+        dense = self._join()
         if tuple(ids_LBSK.shape[:3]) != tuple(dense.shape[:3]):
             raise ValueError(f"ids: expected (L, B, S)={tuple(dense.shape[:3])} of the forward, got "
                              f"{tuple(ids_LBSK.shape[:3])}")
@@ -257,7 +271,7 @@ class ReplayHandle:
 
     @property
     def router_logp_LBTE(self) -> Tensor:
-        return self._need_logp().LBSE
+        return self._need_logp().logp_LBSE
 
     def router_logp_at(self, ids_LBTK: Tensor) -> Tensor:
         return self._need_logp().at(ids_LBTK)
@@ -324,22 +338,33 @@ class _Replayer(_Session):
 class _Probe(_Session):
     """Reads the routers' logits only (returns None: the forward and any other session's routing unchanged)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ids_LBSK: Tensor | None):
         super().__init__(model, 0.0, None, router_logp=True)
-        self.logp = RouterLogp(len(self.layers))
+        if ids_LBSK is not None and (ids_LBSK.dim() != 4 or ids_LBSK.shape[0] != len(self.layers)
+                                     or ids_LBSK.is_floating_point()):
+            raise ValueError(f"ids_LBSK: expected integer ids (L={len(self.layers)}, B, S, k), got "
+                             f"{ids_LBSK.dtype} {tuple(ids_LBSK.shape)}")
+        self.ids_LBSK = ids_LBSK
+        self.logp = RouterLogp(len(self.layers), ids_LBSK)
 
     def _start_call(self, B: int, S: int, past: int) -> None:
         self._continue_columns(B, S, past, "router_logp_probe()")
+        if self.ids_LBSK is not None and (B != self.ids_LBSK.shape[1] or self.cols > self.ids_LBSK.shape[2]):
+            raise ValueError(f"ids_LBSK: (B, S)={tuple(self.ids_LBSK.shape[1:3])} do not cover the call's batch "
+                             f"{B} x {self.cols} columns")
 
     def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> None:
         if not recompute:
-            self.logp._append(pos, self._logp_NE(pos, output[0]).reshape(*self.shape, -1))
+            B, S = self.shape
+            self.logp._append(pos, self._logp_NE(pos, output[0]).reshape(B, S, -1), col0=self.cols - S)
         return None
 
     def finish(self) -> None:
         if self.calls == 0:
             raise RuntimeError("router_logp_probe(): no call of the model ran inside the context")
-        self.logp.LBSE  # every layer's router ran in every call (else a fused path bypassed them)
+        if self.ids_LBSK is not None and self.cols != self.ids_LBSK.shape[2]:
+            raise ValueError(f"ids_LBSK: {self.ids_LBSK.shape[2]} columns, but the calls covered {self.cols}")
+        self.logp._join()  # raises unless every layer's router ran in every call (a fused path bypassed them)
 
 
 @contextmanager
@@ -371,8 +396,10 @@ def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator:
     return _session(session, session.handle)
 
 
-def router_logp_probe(model: nn.Module):
-    """Context manager yielding a RouterLogp: the dense log-probs of every MoE layer's router for the call (or
-    generate()) inside, read at any ids with ``.at(ids_LBSK)``. Changes no routing; nests with record/replay."""
-    session = _Probe(model)
+def router_logp_probe(model: nn.Module, ids_LBSK: Tensor | None = None):
+    """Context manager yielding a RouterLogp: the log-probs of every MoE layer's router for the call (or
+    generate()) inside, read at any ids with ``.at(ids_LBSK)``; given ``ids_LBSK`` (e.g. the old routing's), it
+    keeps only those (L, B, S, k) instead of the dense (L, B, S, E). Changes no routing; nests with
+    record/replay."""
+    session = _Probe(model, ids_LBSK)
     return _session(session, session.logp)
