@@ -15,8 +15,8 @@ each call's (B, S) and KV-cache length; a forward hook on each router reads or r
 - router_logp=True (record, replay) also keeps the router's log-probabilities (``FamilySpec.router_logp``: a
   log-softmax over all experts, or DeepSeek's normalised sigmoid scores) of the chosen / forced experts, fp32
   and detached, from the CLEAN router logits (router noise only perturbs the choice). Off by default: then
-  nothing extra is computed. ``router_logp_probe()`` keeps the dense (L, B, S, E) log-probs of any call, so a
-  free-routing forward can be read at another trace's ids.
+  nothing extra is computed. ``router_logp_probe()`` keeps the dense (L, B, S, E) log-probs of any call, or
+  only those at given ids, so a free-routing forward can be read at another trace's ids (RSPO's old experts).
 """
 
 from __future__ import annotations
