@@ -41,6 +41,12 @@ from moe_lab.config import ModelConfig
 Tensor = torch.Tensor
 
 
+def softmax_router_logp(logits_NE: Tensor) -> Tensor:
+    # log-softmax over all E experts in fp32: the distribution a softmax router samples its top-k from,
+    # also for gpt-oss (whose gate renormalises over the k chosen logits only).
+    return F.log_softmax(logits_NE.float(), dim=-1)
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
@@ -51,6 +57,8 @@ class FamilySpec:
     select: Callable[[nn.Module, Tensor], tuple[Tensor, Tensor]]
     gate_weights: Callable[[nn.Module, Tensor, Tensor], Tensor]
     attn_impl: str = "sdpa"  # gpt_oss has attention sinks and no sdpa path
+    # logits_NE -> fp32 log-probabilities over ALL experts (RSPO's router shift; never feeds the forward)
+    router_logp: Callable[[Tensor], Tensor] = softmax_router_logp
 
     @property
     def model_type(self) -> str:
@@ -128,6 +136,14 @@ def deepseek_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) 
     return _deepseek_scale(router, logits_NE.sigmoid().gather(1, ids_NK.long()))
 
 
+def sigmoid_router_logp(logits_NE: Tensor) -> Tensor:
+    # DeepSeek-V3 scores experts with independent sigmoids (no softmax): their log, normalised over all E
+    # experts, log(s_e / sum_j s_j), is the distribution we compare. The choice-only correction bias is left
+    # out, like in the gate weights. logsigmoid keeps it finite for very negative logits.
+    logs_NE = F.logsigmoid(logits_NE.float())
+    return logs_NE - torch.logsumexp(logs_NE, dim=-1, keepdim=True)
+
+
 # --------------------------------------------------------------------------- tiny configs
 
 
@@ -203,7 +219,7 @@ FAMILIES: dict[str, FamilySpec] = {
     "mixtral": FamilySpec("mixtral", MixtralConfig, MixtralForCausalLM, MixtralTopKRouter, _mixtral,
                           mixtral_select, mixtral_gate_weights),
     "deepseek_v3": FamilySpec("deepseek_v3", DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3TopkRouter,
-                              _deepseek, deepseek_select, deepseek_gate_weights),
+                              _deepseek, deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp),
     "gpt_oss": FamilySpec("gpt_oss", GptOssConfig, GptOssForCausalLM, GptOssTopKRouter, _gpt_oss,
                           gpt_oss_select, gpt_oss_gate_weights, attn_impl="eager"),
 }

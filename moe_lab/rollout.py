@@ -66,7 +66,9 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_ids, prompt_mask = enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device)
     cfg = _generation_config(tokenizer, max_new_tokens, temperature, greedy)
-    ctx = record(model) if record_routing else contextlib.nullcontext()
+    # router log-probs ride along (one log-softmax per layer and step): with rl.old_logp=rollout this trace is
+    # the reference of routing/router_shift and RSPO's gamma
+    ctx = record(model, router_logp=True) if record_routing else contextlib.nullcontext()
     with ctx as trace:
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=cfg)
     seq_BS = out.sequences

@@ -18,7 +18,8 @@ from moe_lab.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.optim import set_lr
 from moe_lab.rollout_correction import rollout_correction
 from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
-from moe_lab.routing import Trace, load_metrics, record, replay, routing_metrics
+from moe_lab.routing import (RouterLogp, Trace, load_metrics, record, replay, router_gamma, router_logp_probe,
+                             router_shift, routing_metrics)
 
 LN2 = math.log(2.0)
 
@@ -49,11 +50,13 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     Free routing is recorded (it is R2's trace). Under R3 this forward already follows the rollout's
     routing, as the updates will: otherwise the first update's ratios would compare two routings and
     be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
+    The routing used carries the old router's log-probs of its experts: the reference of routing/router_shift.
     """
     forced = batch.trace if cfg.rl.replay == "rollout" else None
-    with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0)) as handle:
+    with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle:
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-    used, free = (handle, handle) if forced is None else (forced, handle.latent)
+    used, free = (handle, handle) if forced is None else (forced.with_router_logp(handle.router_logp_LBTK),
+                                                          handle.latent)
     return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
 
 
@@ -116,35 +119,69 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
                     is_weights_BT)
 
 
-def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator):
+def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator, router_logp: bool = False):
     if forced is None:
-        return record(policy, noise_std=cfg.rl.router_noise, generator=gen)
-    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen)
+        return record(policy, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
+    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
 
 
-def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tensor) -> dict[str, float]:
-    """routing/* of one update: change of the routing used, and of the router's own choice, vs ref."""
+class RouterShift:
+    """Router shift of one update forward against the reference routing's old router log-probs (RSPO).
+
+    ``current`` fills during the forward (a router_logp_probe), so ``gamma_BT()`` is valid once the model
+    has run: the loss reads it from the same forward it weights. Computed once, shared by loss and metrics.
+    """
+
+    def __init__(self, ref: Trace | None, current: RouterLogp, mask_BT: torch.Tensor):
+        self.ref, self.current, self.mask_BT = ref, current, mask_BT
+        self._result: tuple[torch.Tensor, dict[str, float]] | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.ref is not None and self.ref.router_logp_LBTK is not None
+
+    def _shift(self) -> tuple[torch.Tensor, dict[str, float]]:
+        if self._result is None:
+            self._result = router_shift(self.ref, self.current.at(self.ref.indices), self.mask_BT)
+        return self._result
+
+    def gamma_BT(self) -> torch.Tensor | None:
+        """exp(-shift) per token (1 off the mask), detached; None without a reference carrying router log-probs."""
+        return router_gamma(self._shift()[0]) if self.available else None
+
+    def metrics(self) -> dict[str, float]:
+        return self._shift()[1] if self.available else {}
+
+
+def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tensor,
+                 shift: RouterShift | None = None) -> dict[str, float]:
+    """routing/* of one update: change of the routing used, and of the router's own choice, vs ref;
+    router shift of the old top-k experts."""
     out = load_metrics(used, mask)
     if ref is not None:
         out.update(routing_metrics(ref, used, mask))
         out["routing/expert_change_latent"] = (out["routing/expert_change"] if latent is used else
                                                routing_metrics(ref, latent, mask, prefix="")["expert_change"])
+    if shift is not None:
+        out.update(shift.metrics())
     return out
 
 
-def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig) -> tuple[torch.Tensor, dict]:
+def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig,
+                shift: RouterShift | None = None) -> tuple[torch.Tensor, dict]:
     """Forward one minibatch (routing regime already in force) and return the total loss and its metrics."""
     rl, b = cfg.rl, data.batch
     ids, attn, mask = b.input_ids_BS[rows], b.attention_mask_BS[rows], b.response_mask_BT[rows]
     out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
     logp_BT = token_logprobs(out.logits, ids, rl.temperature)
+    gamma_BT = shift.gamma_BT() if shift is not None else None  # this forward's router vs the old routing's
     low, high = resolved_clip(rl)
     is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[rows]
-    # router_gamma_BT: None until the router-shift trace lands (rspo then treats gamma as 1 = gmpo).
+    # router_gamma_BT: RSPO's router-shift weight; every other objective ignores it.
     loss, metrics = policy_loss(logp_BT, data.logp_old_BT[rows], data.adv_B[rows], mask, algo=rl.algo,
                                 clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
                                 norm_len=data.norm_len, sapo_tau_pos=rl.sapo_tau_pos, sapo_tau_neg=rl.sapo_tau_neg,
-                                rspo_floor=rl.rspo_floor, router_gamma_BT=None, is_weights_BT=is_weights_BT)
+                                rspo_floor=rl.rspo_floor, router_gamma_BT=gamma_BT, is_weights_BT=is_weights_BT)
     metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
         with torch.no_grad():
@@ -177,14 +214,18 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
     # backward runs inside the routing context: under gradient checkpointing the recomputed forward
     # must see the same forced routing.
     forced = data.forced_trace[rows] if data.forced_trace is not None else None
-    with _routing_ctx(policy, forced, cfg, gen) as handle:
-        loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg)
+    ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[rows]
+    mask = data.batch.response_mask_BT[rows]
+    # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
+    ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
+    with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
+        shift = RouterShift(ref, current, mask)
+        loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg, shift)
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
     if math.isfinite(grad_norm):
         optimizer.step()
     used, latent = (handle, handle) if forced is None else (forced, handle.latent)  # as in _old_pass
-    ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[rows]
-    metrics.update(_routing_row(ref, used, latent, data.batch.response_mask_BT[rows]))
+    metrics.update(_routing_row(ref, used, latent, mask, shift))
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
                     "perf/update_s": time.perf_counter() - t0})
     return metrics

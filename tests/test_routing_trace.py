@@ -8,16 +8,21 @@ from safetensors.torch import save_file
 from moe_lab.routing import Trace, index_dtype
 
 
-def random_trace(L=2, B=4, S=5, K=2, E=8, weights=True, seed=0) -> Trace:
+def random_trace(L=2, B=4, S=5, K=2, E=8, weights=True, seed=0, router_logp=False) -> Trace:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.rand(L, B, S, E, generator=gen).argsort(-1)[..., :K].to(index_dtype(E))
     w = torch.rand(L, B, S, K, generator=gen) if weights else None
-    return Trace(ids, w, num_experts=E, family="qwen3_moe")
+    lp = -torch.rand(L, B, S, K, generator=gen) * 3 if router_logp else None
+    return Trace(ids, w, num_experts=E, family="qwen3_moe", router_logp=lp)
+
+
+def _same_optional(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def same(a: Trace, b: Trace) -> bool:
-    weights_same = (a.weights is None and b.weights is None) or torch.equal(a.weights, b.weights)
-    return (torch.equal(a.indices, b.indices) and weights_same and a.num_experts == b.num_experts
+    return (torch.equal(a.indices, b.indices) and _same_optional(a.weights, b.weights)
+            and _same_optional(a.router_logp_LBTK, b.router_logp_LBTK) and a.num_experts == b.num_experts
             and a.family == b.family)
 
 
@@ -27,9 +32,10 @@ def test_index_dtype_fits_the_expert_count():
         index_dtype(0)
 
 
-@pytest.mark.parametrize("E,weights", [(8, True), (8, False), (300, True)])
-def test_save_load_round_trip(tmp_path, E, weights):
-    trace = random_trace(E=E, weights=weights)
+@pytest.mark.parametrize("E,weights,router_logp", [(8, True, False), (8, False, False), (300, True, False),
+                                                   (8, True, True), (8, False, True)])
+def test_save_load_round_trip(tmp_path, E, weights, router_logp):
+    trace = random_trace(E=E, weights=weights, router_logp=router_logp)
     trace.save(tmp_path / "t.safetensors")
     back = Trace.load(tmp_path / "t.safetensors")
     assert same(trace, back) and back.indices.dtype == index_dtype(E)
@@ -70,6 +76,21 @@ def test_cat_restores_the_batch_and_refuses_mismatches():
         Trace.cat([])
 
 
+def test_router_logp_survives_slicing_joining_moving_and_attaching():
+    trace = random_trace(router_logp=True)
+    lp = trace.router_logp_LBTK
+    assert same(Trace.cat([trace[:1], trace[1:3], trace[3:]]), trace)
+    assert torch.equal(trace[[3, 1]].router_logp_LBTK, lp[:, [3, 1]])
+    assert torch.equal(trace[torch.tensor([False, True, False, True])].router_logp_LBTK, lp[:, [1, 3]])
+    assert trace.to("meta").router_logp_LBTK.device.type == "meta"
+    assert trace.nbytes == random_trace().nbytes + lp.nbytes
+    with pytest.raises(ValueError, match="router_logp: True vs False"):
+        Trace.cat([trace, random_trace()])
+    bare = random_trace()
+    attached = bare.with_router_logp(lp.double())
+    assert same(attached, trace) and attached.router_logp_LBTK.dtype == torch.float32 and bare.router_logp_LBTK is None
+
+
 def test_shape_properties_bytes_and_device():
     trace = random_trace(L=3, B=2, S=4, K=2)
     assert (trace.num_layers, trace.batch_size, trace.seq_len, trace.top_k, len(trace)) == (3, 2, 4, 2, 2)
@@ -84,3 +105,5 @@ def test_constructor_refuses_wrong_dtypes_and_shapes():
         Trace(ids, num_experts=300, family="x")
     with pytest.raises(ValueError, match="weights: expected float32 of shape"):
         Trace(ids, torch.zeros(1, 2, 3, 1), num_experts=8, family="x")
+    with pytest.raises(ValueError, match="router_logp: expected float32 of shape"):
+        Trace(ids, num_experts=8, family="x", router_logp=torch.zeros(1, 2, 3, 2, dtype=torch.float64))

@@ -28,7 +28,8 @@ REQUIRED = ["run_id", "arm", "algo", "replay", "seed", "step", "minibatch", "upd
             "ratio/token_mean", "ratio/token_var", "ratio/logratio_var", "ratio/seq_mean", "ratio/seq_var",
             "ratio/extreme_frac", "kl/k3", "routing/expert_change", "routing/expert_change_latent",
             "routing/any_change", "routing/layer_0/expert_change", "routing/layer_1/expert_change",
-            "routing/load_max_violation", "reward/mean", "reward/std", "reward/zero_var_groups",
+            "routing/load_max_violation", "routing/router_shift", "routing/layer_0/router_shift",
+            "routing/layer_1/router_shift", "reward/mean", "reward/std", "reward/zero_var_groups",
             "response/length_mean", "policy/entropy", "optim/grad_norm", "optim/lr", "perf/tokens_per_s",
             "perf/wall_s", "mismatch/k3", "mismatch/extreme_frac", "mismatch/expert_change"]
 
@@ -79,6 +80,7 @@ def test_replay_first_minibatch_is_exactly_on_policy(tmp_path, replay, dtype):
     train(cfg, tmp_path / "run", run_id="r")
     first = pd.read_parquet(tmp_path / "run" / "metrics.parquet").iloc[0]
     assert first["routing/expert_change"] == 0.0
+    assert first["routing/router_shift"] == pytest.approx(0.0, abs=1e-6)  # router not moved yet
     assert first["ratio/token_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["ratio/token_var"] == pytest.approx(0.0, abs=1e-10)
     assert first["clip_frac/out_of_range"] == 0.0
@@ -92,6 +94,35 @@ def test_fp32_rollout_routing_equals_old_policy_routing_so_r3_equals_r2(tmp_path
         tables[mode] = _table(tmp_path / mode).drop(columns=["replay"])
     assert (tables["old"]["mismatch/expert_change"] == 0).all()
     pd.testing.assert_frame_equal(tables["old"], tables["rollout"])
+
+
+@pytest.mark.parametrize("replay", ["none", "rollout"])
+def test_loss_gets_the_router_gamma_of_its_own_forward(tmp_path, monkeypatch, replay):
+    """Each update passes policy_loss exp(-shift) of that very forward (RSPO's gamma): the logged
+    routing/router_shift is its masked mean of -log gamma; spying on the call changes no metric."""
+    import moe_lab.step as step
+
+    cfg = tiny(tmp_path, f"rl.replay={replay}", "rl.steps=2")
+    train(cfg, tmp_path / "plain", run_id="p")
+    seen = []
+
+    real_loss = step.policy_loss
+
+    def spying_loss(*args, **kwargs):
+        seen.append((kwargs["router_gamma_BT"], args[3]))
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(step, "policy_loss", spying_loss)
+    train(cfg, tmp_path / "gamma", run_id="p")
+    table = _table(tmp_path / "gamma")
+    pd.testing.assert_frame_equal(table, _table(tmp_path / "plain"))
+    assert len(seen) == len(table) == 4
+    for (gamma_BT, mask_BT), logged in zip(seen, table["routing/router_shift"]):
+        assert bool(((gamma_BT > 0) & (gamma_BT <= 1)).all()) and bool((gamma_BT[~mask_BT] == 1).all())
+        assert float(-gamma_BT.log()[mask_BT].mean()) == pytest.approx(logged, rel=1e-4, abs=1e-6)
+    first = table["minibatch"] == 0  # each step's first update: the router is still the old pass's one
+    assert (table.loc[first, "routing/router_shift"].abs() < 1e-6).all()
+    assert (table.loc[~first, "routing/router_shift"] > 0).all()  # the optimizer step moved the routers
 
 
 def test_gspo_clips_more_than_grpo_at_the_papers_ranges(tmp_path):

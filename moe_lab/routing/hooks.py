@@ -12,6 +12,11 @@ each call's (B, S) and KV-cache length; a forward hook on each router reads or r
   gradient. ``handle.latent`` is what the router would have chosen.
 - Activation checkpointing: a router running again within the same call is the backward recompute; it
   reuses the call's forced ids and noise and appends nothing.
+- router_logp=True (record, replay) also keeps the router's log-probabilities (``FamilySpec.router_logp``: a
+  log-softmax over all experts, or DeepSeek's normalised sigmoid scores) of the chosen / forced experts, fp32
+  and detached, from the CLEAN router logits (router noise only perturbs the choice). Off by default: then
+  nothing extra is computed. ``router_logp_probe()`` keeps the dense (L, B, S, E) log-probs of any call, or
+  only those at given ids, so a free-routing forward can be read at another trace's ids (RSPO's old experts).
 """
 
 from __future__ import annotations
@@ -74,11 +79,15 @@ def _checkpointing(model: nn.Module) -> bool:
 class _Session:
     """Call bookkeeping shared by record and replay."""
 
-    def __init__(self, model: nn.Module, noise_std: float, generator: torch.Generator | None):
+    def __init__(self, model: nn.Module, noise_std: float, generator: torch.Generator | None,
+                 router_logp: bool = False):
         if isinstance(noise_std, bool) or not isinstance(noise_std, (int, float)) or not noise_std >= 0:
             raise ValueError(f"noise_std={noise_std!r} is out of range: allowed a float >= 0")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+        if not isinstance(router_logp, bool):
+            raise ValueError(f"router_logp={router_logp!r}: allowed True or False")
+        self.router_logp = router_logp
         self.model, self.layers = model, moe_layers(model)
         self.noise_std, self.generator = float(noise_std), generator
         self.top_k = self.layers[0].router.top_k
@@ -134,6 +143,25 @@ class _Session:
     def _as_BSK(self, x_NK: Tensor) -> Tensor:
         return x_NK.reshape(*self.shape, self.top_k)
 
+    def _logp_NE(self, pos: int, logits_NE: Tensor) -> Tensor:
+        """The router's fp32 log-probs over all experts; detached: a diagnostic, never part of the loss graph."""
+        with torch.no_grad():
+            return self.layers[pos].family.router_logp(logits_NE.detach())
+
+    def _continue_columns(self, B: int, S: int, past: int, who: str) -> None:
+        """One teacher-forced call, or one generate() with the KV cache: every call continues the columns."""
+        if self.calls == 0 and past:
+            raise RuntimeError(f"{who}: the first call already has {past} cached positions; open {who} "
+                               "before the prefill so that every column is recorded")
+        if self.calls and not past:
+            raise RuntimeError(f"{who} covers one forward call or one generate() with the KV cache; a second "
+                               "call without KV cache ran: open one context per call and join the traces with "
+                               "Trace.cat (generate(use_cache=False) re-forwards the whole sequence: not supported)")
+        if self.calls and (past != self.cols or B != self.shape[0]):
+            raise RuntimeError(f"{who}: a KV-cache call continues batch {B} after {past} cached positions, but "
+                               f"the trace holds batch {self.shape[0]} x {self.cols} columns")
+        self.cols += S
+
     def _check_recomputed(self, what: str) -> None:
         once = [self.layers[p].layer_idx for p, n in enumerate(self.runs) if n == 1]
         if self.checkpointed and once:
@@ -148,35 +176,71 @@ class _Session:
         raise NotImplementedError
 
 
-def _empty_trace(layers: list, weights: bool) -> Trace:
+def _empty_trace(layers: list, weights: bool, router_logp: bool = False) -> Trace:
     router = layers[0].router
-    return Trace._recording(len(layers), router.top_k, router.num_experts, layers[0].family.name, weights)
+    return Trace._recording(len(layers), router.top_k, router.num_experts, layers[0].family.name, weights,
+                            router_logp)
+
+
+class RouterLogp:
+    """Router log-probs of one context's call(s), fp32 and detached: dense ``logp_LBSE``, read at any ids with
+    ``at(ids_LBSK)``; or, when built with ``ids_LBSK``, only the log-probs at those ids (k/E of the memory)."""
+
+    def __init__(self, num_layers: int, ids_LBSK: Tensor | None = None):
+        self._parts: list[list[Tensor]] = [[] for _ in range(num_layers)]
+        self._ids = ids_LBSK
+        self._joined: Tensor | None = None
+
+    def _append(self, pos: int, logp_BSE: Tensor, col0: int = 0) -> None:
+        if self._ids is not None:
+            ids_BSK = self._ids[pos][:, col0:col0 + logp_BSE.shape[1]]
+            logp_BSE = logp_BSE.gather(-1, ids_BSK.to(device=logp_BSE.device, dtype=torch.long))
+        self._parts[pos].append(logp_BSE)
+        self._joined = None
+
+    def _join(self) -> Tensor:
+        if self._joined is None:
+            if not all(self._parts) or len({len(p) for p in self._parts}) != 1:
+                raise RuntimeError("router log-probs: not every MoE layer's router ran in each call (yet)")
+            self._joined = torch.stack([torch.cat(p, dim=1) for p in self._parts])
+        return self._joined
+
+    @property
+    def logp_LBSE(self) -> Tensor:
+        if self._ids is not None:
+            raise RuntimeError("router log-probs: this probe kept only the log-probs at its ids; read them with at()")
+        return self._join()
+
+    def at(self, ids_LBSK: Tensor) -> Tensor:
+        """log p_router(e) at the given experts (e.g. the old routing's top-k), float32 (L, B, S, K)."""
+        if self._ids is not None:
+            if ids_LBSK is not self._ids and not torch.equal(ids_LBSK, self._ids):
+                raise ValueError("ids: this probe kept the log-probs at other ids only; pass the ids it was opened with")
+            return self._join()
+        dense = self._join()
+        if tuple(ids_LBSK.shape[:3]) != tuple(dense.shape[:3]):
+            raise ValueError(f"ids: expected (L, B, S)={tuple(dense.shape[:3])} of the forward, got "
+                             f"{tuple(ids_LBSK.shape[:3])}")
+        return dense.gather(-1, ids_LBSK.to(device=dense.device, dtype=torch.long))
 
 
 class _Recorder(_Session):
-    def __init__(self, model: nn.Module, weights: bool, noise_std: float, generator: torch.Generator | None):
-        super().__init__(model, noise_std, generator)
-        self.trace = _empty_trace(self.layers, bool(weights))
+    def __init__(self, model: nn.Module, weights: bool, noise_std: float, generator: torch.Generator | None,
+                 router_logp: bool = False):
+        super().__init__(model, noise_std, generator, router_logp)
+        self.trace = _empty_trace(self.layers, bool(weights), router_logp)
 
     def _start_call(self, B: int, S: int, past: int) -> None:
-        if self.calls == 0 and past:
-            raise RuntimeError(f"record(): the first call already has {past} cached positions; open record() "
-                               "before the prefill so that every column is recorded")
-        if self.calls and not past:
-            raise RuntimeError("record() covers one forward call or one generate() with the KV cache; a second "
-                               "call without KV cache ran: open one record() per call and join the traces with "
-                               "Trace.cat (generate(use_cache=False) re-forwards the whole sequence: not supported)")
-        if self.calls and (past != self.cols or B != self.shape[0]):
-            raise RuntimeError(f"record(): a KV-cache call continues batch {B} after {past} cached positions, but "
-                               f"the trace holds batch {self.shape[0]} x {self.cols} columns")
-        self.cols += S
+        self._continue_columns(B, S, past, "record()")
 
     def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> tuple | None:
         logits_NE, weights_NK, ids_NK = output
         if self.noise_std:
             weights_NK, ids_NK = self.layers[pos].family.select(router, self._noised(pos, logits_NE))
         if not recompute:
-            self.trace._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK))
+            logp_NK = self._logp_NE(pos, logits_NE).gather(1, ids_NK.long()) if self.router_logp else None
+            self.trace._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK),
+                               None if logp_NK is None else self._as_BSK(logp_NK))
         # noise_std == 0: leave the output object untouched (bit-exact with no hooks at all)
         return (logits_NE, weights_NK, ids_NK) if self.noise_std else None
 
@@ -192,19 +256,41 @@ class _Recorder(_Session):
 
 
 class ReplayHandle:
-    """What replay() yields: ``trace`` (forced) and ``latent`` (the router's own choice on the current logits)."""
+    """What replay() yields: ``trace`` (forced) and ``latent`` (the router's own choice on the current logits).
 
-    def __init__(self, trace: Trace, latent: Trace):
-        self.trace, self.latent = trace, latent
+    With router_logp=True: ``router_logp`` (a RouterLogp of the current router: ``router_logp_at(ids)``,
+    ``router_logp_LBTE``), ``router_logp_LBTK`` at the forced ids, and ``latent`` carries its own."""
+
+    def __init__(self, trace: Trace, latent: Trace, router_logp: RouterLogp | None = None):
+        self.trace, self.latent, self.router_logp = trace, latent, router_logp
+
+    def _need_logp(self) -> RouterLogp:
+        if self.router_logp is None:
+            raise RuntimeError("router log-probs were not kept: open replay(..., router_logp=True)")
+        return self.router_logp
+
+    @property
+    def router_logp_LBTE(self) -> Tensor:
+        return self._need_logp().logp_LBSE
+
+    def router_logp_at(self, ids_LBTK: Tensor) -> Tensor:
+        return self._need_logp().at(ids_LBTK)
+
+    @property
+    def router_logp_LBTK(self) -> Tensor:
+        """The current router's log-probs of the forced experts."""
+        return self.router_logp_at(self.trace.indices)
 
 
 class _Replayer(_Session):
-    def __init__(self, model: nn.Module, trace: Trace, noise_std: float, generator: torch.Generator | None):
+    def __init__(self, model: nn.Module, trace: Trace, noise_std: float, generator: torch.Generator | None,
+                 router_logp: bool = False):
         if not isinstance(trace, Trace):
             raise ValueError(f"trace: expected a moe_lab.routing.Trace, got {type(trace).__name__}")
-        super().__init__(model, noise_std, generator)
+        super().__init__(model, noise_std, generator, router_logp)
         check_trace(model, trace)
-        self.handle = ReplayHandle(trace, _empty_trace(self.layers, weights=True))
+        dense = RouterLogp(len(self.layers)) if router_logp else None
+        self.handle = ReplayHandle(trace, _empty_trace(self.layers, weights=True, router_logp=router_logp), dense)
         self.forced_NK: list[Tensor | None] = [None] * len(self.layers)
 
     def _start_call(self, B: int, S: int, past: int) -> None:
@@ -228,7 +314,12 @@ class _Replayer(_Session):
             if self.noise_std:  # no_grad: the recompute skips this, so it must save no tensors for backward
                 with torch.no_grad():
                     weights_NK, ids_NK = family.select(router, noisy_NE)
-            self.handle.latent._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK))
+            logp_BSK = None
+            if self.router_logp:
+                logp_NE = self._logp_NE(pos, logits_NE)
+                self.handle.router_logp._append(pos, logp_NE.reshape(*self.shape, -1))
+                logp_BSK = self._as_BSK(logp_NE.gather(1, ids_NK.long()))
+            self.handle.latent._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK), logp_BSK)
         forced_NK = self._forced(pos, logits_NE.device)
         return logits_NE, family.gate_weights(router, noisy_NE, forced_NK), forced_NK
 
@@ -244,6 +335,38 @@ class _Replayer(_Session):
         self.handle.latent._finish()
 
 
+class _Probe(_Session):
+    """Reads the routers' logits only (returns None: the forward and any other session's routing unchanged)."""
+
+    def __init__(self, model: nn.Module, ids_LBSK: Tensor | None):
+        super().__init__(model, 0.0, None, router_logp=True)
+        if ids_LBSK is not None and (ids_LBSK.dim() != 4 or ids_LBSK.shape[0] != len(self.layers)
+                                     or ids_LBSK.is_floating_point()):
+            raise ValueError(f"ids_LBSK: expected integer ids (L={len(self.layers)}, B, S, k), got "
+                             f"{ids_LBSK.dtype} {tuple(ids_LBSK.shape)}")
+        self.ids_LBSK = ids_LBSK
+        self.logp = RouterLogp(len(self.layers), ids_LBSK)
+
+    def _start_call(self, B: int, S: int, past: int) -> None:
+        self._continue_columns(B, S, past, "router_logp_probe()")
+        if self.ids_LBSK is not None and (B != self.ids_LBSK.shape[1] or self.cols > self.ids_LBSK.shape[2]):
+            raise ValueError(f"ids_LBSK: (B, S)={tuple(self.ids_LBSK.shape[1:3])} do not cover the call's batch "
+                             f"{B} x {self.cols} columns")
+
+    def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> None:
+        if not recompute:
+            B, S = self.shape
+            self.logp._append(pos, self._logp_NE(pos, output[0]).reshape(B, S, -1), col0=self.cols - S)
+        return None
+
+    def finish(self) -> None:
+        if self.calls == 0:
+            raise RuntimeError("router_logp_probe(): no call of the model ran inside the context")
+        if self.ids_LBSK is not None and self.cols != self.ids_LBSK.shape[2]:
+            raise ValueError(f"ids_LBSK: {self.ids_LBSK.shape[2]} columns, but the calls covered {self.cols}")
+        self.logp._join()  # raises unless every layer's router ran in every call (a fused path bypassed them)
+
+
 @contextmanager
 def _session(session: _Session, value: Any) -> Iterator[Any]:
     session.install()
@@ -255,16 +378,28 @@ def _session(session: _Session, value: Any) -> Iterator[Any]:
 
 
 def record(model: nn.Module, *, weights: bool = True, noise_std: float = 0.0,
-           generator: torch.Generator | None = None):
+           generator: torch.Generator | None = None, router_logp: bool = False):
     """Context manager yielding a Trace of every MoE layer's top-k ids (and gate weights) for the model call
     (or generate()) inside. noise_std > 0 adds N(0, noise_std^2) noise from ``generator`` to the router
-    logits before the family's select(): ids and weights then both come from the noised logits."""
-    session = _Recorder(model, weights, noise_std, generator)
+    logits before the family's select(): ids and weights then both come from the noised logits.
+    router_logp=True: the trace also keeps ``router_logp_LBTK``, the router's log-probs of its chosen ids."""
+    session = _Recorder(model, weights, noise_std, generator, router_logp)
     return _session(session, session.trace)
 
 
-def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator: torch.Generator | None = None):
+def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator: torch.Generator | None = None,
+           router_logp: bool = False):
     """Context manager forcing ``trace``'s ids in every MoE layer for the one forward call inside; gate weights
-    come from the current (optionally noised) router logits. Yields a ReplayHandle (``.latent``)."""
-    session = _Replayer(model, trace, noise_std, generator)
+    come from the current (optionally noised) router logits. Yields a ReplayHandle (``.latent``; with
+    router_logp=True also the current router's log-probs: ``router_logp_at(ids)``, ``router_logp_LBTK``)."""
+    session = _Replayer(model, trace, noise_std, generator, router_logp)
     return _session(session, session.handle)
+
+
+def router_logp_probe(model: nn.Module, ids_LBSK: Tensor | None = None):
+    """Context manager yielding a RouterLogp: the log-probs of every MoE layer's router for the call (or
+    generate()) inside, read at any ids with ``.at(ids_LBSK)``; given ``ids_LBSK`` (e.g. the old routing's), it
+    keeps only those (L, B, S, k) instead of the dense (L, B, S, E). Changes no routing; nests with
+    record/replay."""
+    session = _Probe(model, ids_LBSK)
+    return _session(session, session.logp)

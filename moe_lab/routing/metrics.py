@@ -138,3 +138,38 @@ def load_metrics(trace: Any, mask: Tensor | None = None, prefix: str = "routing/
         out[f"{prefix}layer_{l}/load_max_violation"] = st["max_violation"][l].item()
         out[f"{prefix}layer_{l}/load_entropy"] = st["entropy"][l].item()
     return out
+
+
+def router_shift(old: Any, new_logp_LBSK: Tensor, mask: Tensor | None = None,
+                 prefix: str = "routing/") -> tuple[Tensor, dict[str, float]]:
+    """RSPO's router shift (arXiv:2510.23027): how far the router moved on the experts the OLD routing chose.
+
+    ``old``: a Trace carrying ``router_logp_LBTK`` (or that tensor); ``new_logp_LBSK``: the current router's
+    log-probs at the same (old) ids, e.g. ``RouterLogp.at(old.indices)``. Returns (shift_BS, metrics):
+    shift_BS = mean over layers and old top-k experts of |log p_new(e) - log p_old(e)|, 0 off the mask (so
+    its gamma is 1 there), detached fp32; metrics: ``router_shift`` = its mean over masked positions, and
+    ``layer_{i}/router_shift`` per layer (means over the k slots and masked positions; nan on an empty mask).
+    """
+    old_LBSK = old if isinstance(old, Tensor) else getattr(old, "router_logp_LBTK", None)
+    if old_LBSK is None:
+        raise ValueError("old: the reference trace carries no router_logp; record it with "
+                         "record(..., router_logp=True) or replay(..., router_logp=True)")
+    if old_LBSK.dim() != 4 or tuple(new_logp_LBSK.shape) != tuple(old_LBSK.shape):
+        raise ValueError(f"new_logp_LBSK: expected the old log-probs' shape (L, B, S, K)={tuple(old_LBSK.shape)}, "
+                         f"got {tuple(new_logp_LBSK.shape)}")
+    mask_BS = _mask_BS(mask, old_LBSK)
+    with torch.no_grad():
+        d_LBS = (new_logp_LBSK.detach().float().to(old_LBSK.device) - old_LBSK.float()).abs().mean(-1)
+        d_LBS = torch.where(mask_BS, d_LBS, torch.zeros_like(d_LBS))
+        shift_BS = d_LBS.mean(0)
+        n = mask_BS.sum()
+        per_layer_L = d_LBS.sum((1, 2)) / n  # nan (0/0) on an empty mask, like the other routing metrics
+    values = torch.cat([(shift_BS.sum() / n).reshape(1), per_layer_L]).tolist()  # one sync
+    out = {f"{prefix}router_shift": values[0]}
+    out.update({f"{prefix}layer_{l}/router_shift": v for l, v in enumerate(values[1:])})
+    return shift_BS, out
+
+
+def router_gamma(shift_BS: Tensor) -> Tensor:
+    """RSPO's per-token router-shift weight gamma = exp(-shift) in (0, 1] (the floor is the objective's)."""
+    return torch.exp(-shift_BS)

@@ -1,7 +1,9 @@
 """Trace: the top-k expert ids (and gate weights) of every MoE layer for every position of a batch.
 
 ``indices`` is ids_LBSK: uint8 when num_experts <= 256 (the paper's storage), else int16; ``weights`` is
-float32 w_LBSK or None. Positions are the columns of the (left-padded) batch fed to the model.
+float32 w_LBSK or None; ``router_logp_LBTK`` is float32 or None: the router's log-probability of each
+chosen expert (over ALL experts, see ``FamilySpec.router_logp``), kept only when record() was asked for it
+(RSPO's router shift). Positions are the columns of the (left-padded) batch fed to the model.
 Saved with safetensors plus metadata; never pickle (a trace file from elsewhere must not run code).
 """
 
@@ -30,29 +32,36 @@ def index_dtype(num_experts: int) -> torch.dtype:
 class Trace:
     """Routing of one batch. Built by record(); slice rows with ``trace[rows]``; join with ``Trace.cat``."""
 
-    def __init__(self, indices: Tensor, weights: Tensor | None = None, *, num_experts: int, family: str):
+    def __init__(self, indices: Tensor, weights: Tensor | None = None, *, num_experts: int, family: str,
+                 router_logp: Tensor | None = None):
         if indices.dim() != 4 or indices.dtype != index_dtype(num_experts):
             raise ValueError(f"indices: expected ids_LBSK of 4 dims and dtype {index_dtype(num_experts)} for "
                              f"num_experts={num_experts}, got {tuple(indices.shape)} {indices.dtype}")
         if weights is not None and (weights.shape != indices.shape or weights.dtype != torch.float32):
             raise ValueError(f"weights: expected float32 of shape {tuple(indices.shape)}, "
                              f"got {weights.dtype} {tuple(weights.shape)}")
-        self._indices, self._weights = indices, weights
+        if router_logp is not None and (router_logp.shape != indices.shape or router_logp.dtype != torch.float32):
+            raise ValueError(f"router_logp: expected float32 of shape {tuple(indices.shape)}, "
+                             f"got {router_logp.dtype} {tuple(router_logp.shape)}")
+        self._indices, self._weights, self._router_logp = indices, weights, router_logp
         self.num_experts, self.family = int(num_experts), str(family)
-        self._parts: list[list[tuple[Tensor, Tensor | None]]] | None = None  # per layer, while recording
+        self._parts: list[list[tuple[Tensor, Tensor | None, Tensor | None]]] | None = None  # per layer, recording
         self._dirty = False
 
     @classmethod
-    def _recording(cls, num_layers: int, top_k: int, num_experts: int, family: str, weights: bool) -> "Trace":
+    def _recording(cls, num_layers: int, top_k: int, num_experts: int, family: str, weights: bool,
+                   router_logp: bool = False) -> "Trace":
         empty = torch.zeros(num_layers, 0, 0, top_k, dtype=index_dtype(num_experts))
-        trace = cls(empty, torch.zeros(empty.shape) if weights else None, num_experts=num_experts, family=family)
+        trace = cls(empty, torch.zeros(empty.shape) if weights else None, num_experts=num_experts, family=family,
+                    router_logp=torch.zeros(empty.shape) if router_logp else None)
         trace._parts = [[] for _ in range(num_layers)]
         return trace
 
-    def _append(self, layer: int, ids_BSK: Tensor, w_BSK: Tensor | None) -> None:
+    def _append(self, layer: int, ids_BSK: Tensor, w_BSK: Tensor | None, logp_BSK: Tensor | None = None) -> None:
         """Add the columns of one forward call of one layer (a prefill, or one decode step)."""
         w = None if self._weights is None else w_BSK.detach().to(torch.float32, copy=True)
-        self._parts[layer].append((ids_BSK.detach().to(self._indices.dtype), w))
+        lp = None if self._router_logp is None else logp_BSK.detach().to(torch.float32, copy=True)
+        self._parts[layer].append((ids_BSK.detach().to(self._indices.dtype), w, lp))
         self._dirty = True
 
     def _flush(self) -> None:
@@ -63,10 +72,13 @@ class Trace:
             missing = [l for l, p in enumerate(self._parts) if len(p) < max(counts)]
             raise RuntimeError(f"trace: MoE layers {missing} recorded fewer forward calls than the others; "
                                "a path that bypasses the router module ran (no consistent trace)")
-        self._indices = torch.stack([torch.cat([ids for ids, _ in p], dim=1) for p in self._parts])
+        self._indices = torch.stack([torch.cat([part[0] for part in p], dim=1) for p in self._parts])
         if self._weights is not None:
-            self._weights = torch.stack([torch.cat([w for _, w in p], dim=1) for p in self._parts])
-        self._parts = [[(self._indices[l], None if self._weights is None else self._weights[l])]
+            self._weights = torch.stack([torch.cat([part[1] for part in p], dim=1) for p in self._parts])
+        if self._router_logp is not None:
+            self._router_logp = torch.stack([torch.cat([part[2] for part in p], dim=1) for p in self._parts])
+        self._parts = [[(self._indices[l], None if self._weights is None else self._weights[l],
+                         None if self._router_logp is None else self._router_logp[l])]
                        for l in range(len(self._parts))]
         self._dirty = False
 
@@ -88,6 +100,11 @@ class Trace:
         return self._weights
 
     @property
+    def router_logp_LBTK(self) -> Tensor | None:
+        self._flush()
+        return self._router_logp
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         return tuple(self.indices.shape)
 
@@ -99,8 +116,8 @@ class Trace:
 
     @property
     def nbytes(self) -> int:
-        w = self.weights
-        return self.indices.nbytes + (0 if w is None else w.nbytes)
+        w, lp = self.weights, self.router_logp_LBTK
+        return self.indices.nbytes + (0 if w is None else w.nbytes) + (0 if lp is None else lp.nbytes)
 
     def __len__(self) -> int:
         return self.batch_size
@@ -108,10 +125,15 @@ class Trace:
     def __repr__(self) -> str:
         L, B, S, K = self.shape
         return (f"Trace(family={self.family!r}, layers={L}, batch={B}, seq={S}, top_k={K}, "
-                f"num_experts={self.num_experts}, weights={self.weights is not None}, device={self.device})")
+                f"num_experts={self.num_experts}, weights={self.weights is not None}, "
+                f"router_logp={self.router_logp_LBTK is not None}, device={self.device})")
 
-    def _like(self, indices: Tensor, weights: Tensor | None) -> "Trace":
-        return Trace(indices, weights, num_experts=self.num_experts, family=self.family)
+    def _like(self, indices: Tensor, weights: Tensor | None, router_logp: Tensor | None = None) -> "Trace":
+        return Trace(indices, weights, num_experts=self.num_experts, family=self.family, router_logp=router_logp)
+
+    def with_router_logp(self, router_logp_LBTK: Tensor) -> "Trace":
+        """The same routing with the router's log-probs of its ids attached (e.g. computed under replay)."""
+        return self._like(self.indices, self.weights, router_logp_LBTK.detach().to(torch.float32))
 
     # ----------------------------------------------------------------------- slicing, joining, moving
 
@@ -126,8 +148,8 @@ class Trace:
                     raise ValueError(f"rows: a bool mask needs shape ({self.batch_size},), got {tuple(rows.shape)}")
                 rows = rows.nonzero().squeeze(1)
             rows = rows.long()
-        w = self.weights
-        return self._like(self.indices[:, rows], None if w is None else w[:, rows])
+        w, lp = self.weights, self.router_logp_LBTK
+        return self._like(self.indices[:, rows], None if w is None else w[:, rows], None if lp is None else lp[:, rows])
 
     __getitem__ = select
 
@@ -142,11 +164,13 @@ class Trace:
             if diffs:
                 raise ValueError(f"traces[{i}] cannot be joined with traces[0]: " + "; ".join(diffs))
         weights = None if first.weights is None else torch.cat([t.weights for t in traces], dim=1)
-        return first._like(torch.cat([t.indices for t in traces], dim=1), weights)
+        logp = None if first.router_logp_LBTK is None else torch.cat([t.router_logp_LBTK for t in traces], dim=1)
+        return first._like(torch.cat([t.indices for t in traces], dim=1), weights, logp)
 
     def to(self, device: torch.device | str) -> "Trace":
-        w = self.weights
-        return self._like(self.indices.to(device), None if w is None else w.to(device))
+        w, lp = self.weights, self.router_logp_LBTK
+        return self._like(self.indices.to(device), None if w is None else w.to(device),
+                          None if lp is None else lp.to(device))
 
     # ----------------------------------------------------------------------- files
 
@@ -154,6 +178,8 @@ class Trace:
         tensors = {"indices": self.indices.detach().cpu().contiguous()}
         if self.weights is not None:
             tensors["weights"] = self.weights.detach().cpu().contiguous()
+        if self.router_logp_LBTK is not None:
+            tensors["router_logp"] = self.router_logp_LBTK.detach().cpu().contiguous()
         meta = {"format": _FORMAT, "num_experts": str(self.num_experts), "family": self.family,
                 "top_k": str(self.top_k)}
         save_file(tensors, str(path), metadata=meta)
@@ -167,7 +193,7 @@ class Trace:
                                  f"expected {_FORMAT!r})")
             tensors = {key: fh.get_tensor(key) for key in fh.keys()}
         trace = cls(tensors["indices"], tensors.get("weights"), num_experts=int(meta["num_experts"]),
-                    family=meta["family"])
+                    family=meta["family"], router_logp=tensors.get("router_logp"))
         if trace.top_k != int(meta["top_k"]):
             raise ValueError(f"{path}: metadata top_k={meta['top_k']} but indices have k={trace.top_k}")
         return trace
@@ -203,7 +229,8 @@ def _differences(a: Any, b: Any, with_batch: bool) -> list[str]:
     (La, Ba, Sa, Ka), (Lb, Bb, Sb, Kb) = a.shape, b.shape
     pairs = [("num_layers", La, Lb), ("top_k", Ka, Kb), ("num_experts", a.num_experts, b.num_experts),
              ("family", a.family, b.family), ("seq_len", Sa, Sb),
-             ("weights", a.weights is not None, b.weights is not None)]
+             ("weights", a.weights is not None, b.weights is not None),
+             ("router_logp", a.router_logp_LBTK is not None, b.router_logp_LBTK is not None)]
     if with_batch:
         pairs.append(("batch_size", Ba, Bb))
     return [f"{name}: {x!r} vs {y!r}" for name, x, y in pairs if x != y]
