@@ -67,7 +67,8 @@ def wilson_interval(k: int, n: int, z: float = Z975) -> tuple[float, float]:
     p, z2 = k / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At k = 0 (k = n) the bound is exactly 0 (1) analytically; rounding would leave ~1e-17.
+    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)
 
 
 def t_quantile_975(df: float) -> float:
