@@ -117,9 +117,10 @@ class RLConfig:
     collapse_drop: float = param(0.5, "soft reward collapse: the reward's moving average stays below this "
                                       "fraction of its running best for rl.collapse_patience steps", gt=0.0, lt=1.0)
     collapse_patience: int = param(5, "consecutive steps below rl.collapse_drop x best before a "
-                                           "soft reward collapse is called", ge=1)
+                                      "soft reward collapse is called", ge=1)
     collapse_min_best: float = param(0.1, "the soft reward rule arms once the running best of the moving "
-                                          "average reaches this reward (a run that never learned cannot collapse)", ge=0.0)
+                                          "average reaches this reward (a run that never learned cannot collapse)",
+                                     ge=0.0)
     collapse_entropy_max: float | None = param(None, "soft entropy collapse: the policy entropy's moving average "
                                                      "above this many nats; None = off", gt=0.0)
     stop_on_collapse: bool = param(False, "stop a run at a soft collapse (False: record collapsed_at and continue, "

@@ -1,7 +1,9 @@
 """Write every figure an experiment folder's data supports (`moe-lab plot`, the end of `moe-lab reproduce`).
 
 File names are fixed (FIGURE_NAMES + format suffix) so that READMEs and notebooks can point at them. A figure
-whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty.
+whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty;
+the survival figure is drawn once some run collapsed, the atlas for a one-factor-at-a-time experiment (arms
+labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, grpo_r2).
 """
 
 from __future__ import annotations
