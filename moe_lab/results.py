@@ -11,9 +11,10 @@ see moe_lab/health.py), and derived columns: "arm_base" (the arm without its swe
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
 means the paper's default for the algorithm, which a sweep plot needs as a number).
-A run folder written before the manifest recorded collapses gets them recomputed from its metrics table
-with its config's collapse rules (today's defaults where the config predates them): the rules are a pure
-function of the logged rows, so this is what the run would have recorded.
+A run folder written before the manifest recorded collapses (or a running or crashed run, whose manifest
+is not final) gets them recomputed from its metrics table with its config's collapse rules (today's
+defaults where the config predates them): the rules are a pure function of the logged rows, so this is
+what the run would have recorded.
 Nothing here unpickles: YAML goes through yaml.safe_load, parquet through pandas/pyarrow.
 """
 
@@ -175,8 +176,12 @@ def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def _collapse(manifest: dict, config: dict, metrics: pd.DataFrame) -> dict:
-    """collapsed_at (NaN = never) and collapse_rule of a run: the manifest's, else recomputed from its rows."""
-    if "collapsed_at" in manifest:
+    """collapsed_at (NaN = never) and collapse_rule of a run: the manifest's where it is final, else
+    recomputed from its rows. Not final: a manifest without the field (written before it existed), a
+    running run, or one that failed on an exception (its manifest still holds the value from the start of
+    that attempt, while its rows went on)."""
+    final = manifest.get("status") == "done" or (manifest.get("status") == "failed" and "traceback" not in manifest)
+    if "collapsed_at" in manifest and final:
         at, rule = manifest["collapsed_at"], manifest.get("collapse_rule") or ""
     elif "reward/mean" in metrics and len(metrics):
         params = health.CollapseParams.from_config(config.get("rl") or {})

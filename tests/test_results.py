@@ -316,6 +316,17 @@ def test_manifest_collapse_wins_over_the_rows(collapsing):
     assert runs.loc["grpo-s1", "collapsed_at"] == 3 and runs.loc["grpo-s1", "collapse_rule"] == "reward_drop"
 
 
+@pytest.mark.parametrize("status, traceback", [("running", None), ("failed", "Traceback ...")])
+def test_unfinished_run_collapse_comes_from_its_rows(collapsing, status, traceback):
+    # the manifest of a running (or crashed) attempt holds the value from its start; its rows went on
+    manifest = collapsing / "runs" / "grpo-s0" / "manifest.json"
+    extra = {"traceback": traceback} if traceback else {}
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "status": status, "collapsed_at": None,
+                                    "collapse_rule": None, **extra}))
+    runs = results.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
+    assert runs.loc["grpo-s0", "collapsed_at"] == 10 and runs.loc["grpo-s0", "collapse_rule"] == "zero_reward"
+
+
 def test_summary_collapse_rate_wilson_and_median(collapsing):
     table = results.summarize(*results.load_runs(collapsing)).set_index("arm")
     row = table.loc["grpo"]
