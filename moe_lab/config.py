@@ -127,6 +127,20 @@ class RLConfig:
                                           "rollout-vs-train mismatch", choices=("float32", "bfloat16"))
     eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
     checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
+    collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "
+                                     "the soft collapse rules watch (moe_lab/health.py)", ge=1)
+    collapse_drop: float = param(0.5, "soft reward collapse: the reward's moving average stays below this "
+                                      "fraction of its running best for rl.collapse_patience steps", gt=0.0, lt=1.0)
+    collapse_patience: int = param(5, "consecutive steps below rl.collapse_drop x best before a "
+                                      "soft reward collapse is called", ge=1)
+    collapse_min_best: float = param(0.1, "the soft reward rule arms once the running best of the moving "
+                                          "average reaches this reward (a run that never learned cannot collapse)",
+                                     ge=0.0)
+    collapse_entropy_max: float | None = param(None, "soft entropy collapse: the policy entropy's moving average "
+                                                     "above this many nats; None = off", gt=0.0)
+    stop_on_collapse: bool = param(False, "stop a run at a soft collapse (False: record collapsed_at and continue, "
+                                          "so curves stay comparable); non-finite values and 5 steps of reward "
+                                          "exactly 0 always stop")
 
 
 @dataclass

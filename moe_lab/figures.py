@@ -1,7 +1,9 @@
 """Write every figure an experiment folder's data supports (`moe-lab plot`, the end of `moe-lab reproduce`).
 
 File names are fixed (FIGURE_NAMES + format suffix) so that READMEs and notebooks can point at them. A figure
-whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty.
+whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty;
+the survival figure is drawn once some run collapsed, the atlas for a one-factor-at-a-time experiment (arms
+labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, grpo_r2).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from moe_lab import plots, results
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
-                "clip_sweep", "volatility_sweep")
+                "clip_sweep", "volatility_sweep", "survival", "atlas")
 DPI = 100
 
 
@@ -51,7 +53,21 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame) -> dict[str, Cal
         plan["clip_sweep"] = lambda: plots.clip_sweep(metrics, evals, x=clip_x)
     if varies(metrics, "rl.router_lr_mult") and _has(metrics, "reward/mean", "routing/expert_change"):
         plan["volatility_sweep"] = lambda: plots.volatility_sweep(metrics, evals)
+    # Survival only once some run collapsed: with none, every curve is the line at 1 and the summary's
+    # "0/n" collapse rate says the same.
+    if _has(metrics, "collapsed_at"):
+        plan["survival"] = lambda: plots.survival(metrics)
+    if is_atlas(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
+        plan["atlas"] = lambda: plots.atlas(metrics, evals)
     return plan
+
+
+def is_atlas(df: pd.DataFrame, reference: str = results.ATLAS_REFERENCE) -> bool:
+    """A one-factor-at-a-time experiment: factor-labelled arms that include the reference arm (the atlas's
+    accuracy gap is taken to it). A plain sweep (clip range, router lr of GRPO and GSPO) is not one."""
+    if not _has(df, "factor") or "arm_base" not in df:
+        return False
+    return bool((df.loc[df["factor"].notna(), "arm_base"] == reference).any())
 
 
 def parse_formats(formats: str | Sequence[str]) -> tuple[str, ...]:

@@ -6,9 +6,15 @@ Layout read (written by the runner, see docs/metrics.md)::
 
 ``load_runs`` gives one row per minibatch update (metrics) and one per evaluation (eval), each carrying
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
-the manifest's "status" and "reason", and three derived columns: "arm_base" (the arm without its sweep
-label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
+the manifest's "status" and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
+see moe_lab/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
+"level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
+without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
 means the paper's default for the algorithm, which a sweep plot needs as a number).
+A run folder written before the manifest recorded collapses (or a running or crashed run, whose manifest
+is not final) gets them recomputed from its metrics table with its config's collapse rules (today's
+defaults where the config predates them): the rules are a pure function of the logged rows, so this is
+what the run would have recorded.
 Nothing here unpickles: YAML goes through yaml.safe_load, parquet through pandas/pyarrow.
 """
 
@@ -25,6 +31,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from moe_lab import health
 from moe_lab.config import PAPER_CLIP
 
 CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
@@ -48,6 +55,21 @@ Z975 = 1.959963985
 
 
 # --------------------------------------------------------------------------- intervals
+
+
+def wilson_interval(k: int, n: int, z: float = Z975) -> tuple[float, float]:
+    """Wilson score interval of a proportion k/n (95% by default). Unlike the normal (Wald) interval it
+    stays inside [0, 1] and has a non-zero width at k = 0 or k = n, which is where collapse rates over a
+    handful of seeds live. (NaN, NaN) for n = 0."""
+    if n <= 0:
+        return math.nan, math.nan
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k!r}: allowed 0 <= k <= n={n}")
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    # At k = 0 (k = n) the bound is exactly 0 (1) analytically; rounding would leave ~1e-17.
+    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)
 
 
 def t_quantile_975(df: float) -> float:
@@ -95,6 +117,17 @@ def base_arm(arm: str) -> str:
     return str(arm).split("__", 1)[0]
 
 
+def arm_factor_level(arm: str) -> tuple[str | None, str | None]:
+    """The sweep label's factor and level: 'grpo__updates=16' -> ('updates', '16'); several fields join
+    with '+' and ',' ('grpo__rl.clip_low=0.1__rl.clip_high=0.13' -> ('rl.clip_low+rl.clip_high', '0.1,0.13'));
+    (None, None) without a label."""
+    _, _, label = str(arm).partition("__")
+    if not label:
+        return None, None
+    pairs = [p.partition("=") for p in label.split("__")]
+    return "+".join(k for k, _, _ in pairs), ",".join(v for _, _, v in pairs)
+
+
 def flatten(data: dict, prefix: str = "") -> dict:
     """{'rl': {'clip_low': 0.2}} -> {'rl.clip_low': 0.2}."""
     out = {}
@@ -138,7 +171,26 @@ def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     run_cols.update({k: v for k, v in flatten(config).items() if k not in ID_COLUMNS})
     run_cols.update(status=manifest.get("status"), reason=manifest.get("reason", ""),
                     experiment=_experiment_name(run_dir), run_dir=str(run_dir))
+    run_cols.update(_collapse(manifest, config, metrics))
     return _with_run_columns(metrics, run_cols), _with_run_columns(evals, run_cols)
+
+
+def _collapse(manifest: dict, config: dict, metrics: pd.DataFrame) -> dict:
+    """collapsed_at (NaN = never) and collapse_rule of a run: the manifest's where it is final, else
+    recomputed from its rows. Not final: a manifest without the field (written before it existed), a
+    running run, or one that failed on an exception (its manifest still holds the value from the start of
+    that attempt, while its rows went on)."""
+    final = manifest.get("status") == "done" or (manifest.get("status") == "failed" and "traceback" not in manifest)
+    if "collapsed_at" in manifest and final:
+        at, rule = manifest["collapsed_at"], manifest.get("collapse_rule") or ""
+    elif "reward/mean" in metrics and len(metrics):
+        params = health.CollapseParams.from_config(config.get("rl") or {})
+        order = [c for c in ("step", "minibatch") if c in metrics]
+        state = health.replay(params, metrics.sort_values(order, kind="stable").to_dict("records"))
+        at, rule = state.collapsed_at, state.collapse_rule
+    else:
+        at, rule = None, ""
+    return {"collapsed_at": math.nan if at is None else float(at), "collapse_rule": rule}
 
 
 def _with_run_columns(frame: pd.DataFrame, run_cols: dict) -> pd.DataFrame:
@@ -158,6 +210,8 @@ def _derived(frame: pd.DataFrame) -> pd.DataFrame:
             frame[col] = frame[col].astype(float)
     if "arm" in frame:
         frame["arm_base"] = frame["arm"].map(base_arm)
+        factor_level = frame["arm"].map(arm_factor_level)
+        frame["factor"], frame["level"] = factor_level.str[0], factor_level.str[1]
     algo = frame.get("rl.algo", frame.get("algo"))
     for i, side in enumerate(("low", "high")):
         col = f"rl.clip_{side}"
@@ -268,6 +322,61 @@ def _group_ci(per_run: pd.DataFrame, cols: Sequence[str], by: list[str]) -> pd.D
     return pd.concat(parts, axis=1) if parts else pd.DataFrame()
 
 
+COLLAPSE_COLUMNS = ("collapses", "collapse_rate", "collapse_rate_lo", "collapse_rate_hi", "collapse_step_median")
+
+
+def collapse_runs(metrics_df: pd.DataFrame, by: Sequence[str] = ("arm",)) -> pd.DataFrame:
+    """One row per run: by..., run keys, collapsed_at (NaN = never), collapse_rule, last_step (its last
+    logged step: where an uncollapsed run is censored)."""
+    by = [by] if isinstance(by, str) else list(by)
+    _check_columns(metrics_df, [*by, "step", "collapsed_at"], "by")
+    keys = list(dict.fromkeys([*by, *_run_keys(metrics_df)]))
+    grouped = metrics_df.groupby(keys, dropna=False, sort=True)
+    out = grouped["collapsed_at"].first().astype(float).to_frame()
+    out["collapse_rule"] = grouped["collapse_rule"].first() if "collapse_rule" in metrics_df else ""
+    out["last_step"] = grouped["step"].max()
+    return out.reset_index()
+
+
+def _collapse_stats(metrics_df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Per group: collapses (k of its runs), collapse_rate = k/n with its Wilson 95% interval, and the median
+    collapsed_at over the collapsed runs (NaN when none collapsed). NaN columns when the frame has no
+    collapsed_at (frames not read by load_runs): unknown, not 'never'."""
+    if "collapsed_at" not in metrics_df:
+        index = metrics_df.groupby(by, dropna=False, sort=True).size().index
+        return pd.DataFrame(math.nan, index=index, columns=list(COLLAPSE_COLUMNS))
+    at = collapse_runs(metrics_df, by).groupby(by, dropna=False, sort=True)["collapsed_at"]
+    k, n = at.count(), at.size()
+    lo, hi = zip(*(wilson_interval(int(a), int(b)) for a, b in zip(k, n))) if len(n) else ((), ())
+    return pd.DataFrame({"collapses": k, "collapse_rate": k / n, "collapse_rate_lo": lo, "collapse_rate_hi": hi,
+                         "collapse_step_median": at.median()}, index=n.index)
+
+
+def survival_table(metrics_df: pd.DataFrame, by: Sequence[str] = ("arm",)) -> pd.DataFrame:
+    """Kaplan-Meier share of runs not yet collapsed, per group and step 0..(last step of its runs).
+
+    An uncollapsed run is censored at its last logged step (it is still at risk at that step, as is the
+    convention when a censoring and an event tie). At each collapse step t: S *= 1 - d_t / n_t, with d_t the
+    runs collapsing at t and n_t the runs whose collapse or censoring step is >= t. Columns: by..., step,
+    survival, at_risk (n_t), collapsed (d_t).
+    """
+    by = [by] if isinstance(by, str) else list(by)
+    runs = collapse_runs(metrics_df, by)
+    runs["time"] = runs["collapsed_at"].fillna(runs["last_step"])
+    parts = []
+    for key, group in runs.groupby(by, dropna=False, sort=True):
+        steps = np.arange(int(group["time"].max()) + 1)
+        times, events = group["time"].to_numpy(float), group["collapsed_at"].notna().to_numpy()
+        at_risk = (times[None, :] >= steps[:, None]).sum(axis=1)
+        died = ((times[None, :] == steps[:, None]) & events[None, :]).sum(axis=1)
+        survival = np.cumprod(1.0 - np.divide(died, at_risk, out=np.zeros(len(steps)), where=at_risk > 0))
+        key = key if isinstance(key, tuple) else (key,)
+        parts.append(pd.DataFrame({**dict(zip(by, key)), "step": steps, "survival": survival,
+                                   "at_risk": at_risk, "collapsed": died}))
+    columns = [*by, "step", "survival", "at_risk", "collapsed"]
+    return pd.concat(parts, ignore_index=True)[columns] if parts else pd.DataFrame(columns=columns)
+
+
 def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[str] = ("arm",),
               last_frac: float = 0.25) -> pd.DataFrame:
     """One row per group (default: per arm), over its runs (seeds):
@@ -276,6 +385,8 @@ def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[s
     mean over the last ``last_frac`` of each run's steps of every SUMMARY_METRICS column. Each quantity q
     gives q (mean over runs), q_lo and q_hi (95% t-interval over runs; NaN with a single run). A metric
     absent from the frame gives NaN columns rather than an error: some runs do not log every metric.
+    Collapse (moe_lab/health.py): collapses (runs with a collapsed_at), collapse_rate with its Wilson 95%
+    interval collapse_rate_lo/_hi, collapse_step_median over the collapsed runs.
     """
     by = [by] if isinstance(by, str) else list(by)
     if not by:
@@ -293,8 +404,8 @@ def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[s
         pd.DataFrame(columns=[*keys, *SUMMARY_EVAL])
     tail = last_frac_means(metrics_df, SUMMARY_METRICS, by, last_frac)
     final[list(SUMMARY_EVAL)] = final[list(SUMMARY_EVAL)].astype(float)
-    table = counts.join(_group_ci(final, SUMMARY_EVAL, by), how="left").join(
-        _group_ci(tail, SUMMARY_METRICS, by), how="left")
+    table = counts.join(_collapse_stats(metrics_df, by), how="left").join(
+        _group_ci(final, SUMMARY_EVAL, by), how="left").join(_group_ci(tail, SUMMARY_METRICS, by), how="left")
     return table.reset_index()
 
 
@@ -315,11 +426,92 @@ def format_summary(df: pd.DataFrame) -> str:
     """A compact terminal table of summarize()'s output: 'mean ±half-width' of each 95% interval."""
     quantities = [q for q in (*SUMMARY_EVAL, *SUMMARY_METRICS) if q in df.columns]
     lead = [c for c in df.columns if c not in quantities and not str(c).endswith(("_lo", "_hi"))
-            and c not in ("seeds", "runs", "runs_done")]
+            and c not in ("seeds", "runs", "runs_done", *COLLAPSE_COLUMNS)]
     out = df[lead].copy()
     if "runs" in df:
         out["done"] = [f"{d}/{n}" for d, n in zip(df["runs_done"], df["runs"])]
+    if "collapses" in df and df["collapses"].notna().any():
+        out["collapsed [95%]"] = [f"{k:.0f}/{n} [{lo:.2f}, {hi:.2f}]" if np.isfinite(k) else "-" for k, n, lo, hi in
+                                  zip(df["collapses"], df["runs"], df["collapse_rate_lo"], df["collapse_rate_hi"])]
+        out["collapse step"] = [f"{m:g}" if np.isfinite(m) else "-" for m in df["collapse_step_median"]]
     for q in quantities:
         if df[q].notna().any():
             out[SHORT_NAMES.get(q, q)] = [_fmt_ci(m, lo, hi) for m, lo, hi in zip(df[q], df[f"{q}_lo"], df[f"{q}_hi"])]
     return out.to_string(index=False)
+
+
+# --------------------------------------------------------------------------- stability atlas
+
+ATLAS_REFERENCE = "grpo_r2"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def level_order(levels: Iterable[str]) -> list[str]:
+    """A factor's levels in their natural order: numeric when every level is a number, else as first met."""
+    levels = list(dict.fromkeys(str(v) for v in levels))
+    return sorted(levels, key=float) if all(map(_is_number, levels)) else levels
+
+
+def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = ATLAS_REFERENCE,
+                last_frac: float = 0.25, levels: dict[str, Sequence] | None = None) -> pd.DataFrame:
+    """The stability atlas: one row per (factor, level, arm_base) of a one-factor-at-a-time experiment
+    (arms labelled '<arm>__<factor>=<level>'), each a mean over that cell's runs (seeds):
+
+    - expert_change: the router's own expert change per update (routing/expert_change_latent where logged,
+      else routing/expert_change: under replay the forced change is 0 by construction), mean over the last
+      ``last_frac`` of the run's updates;
+    - ratio_var_p99: the 99th percentile (linear interpolation) of the run's minibatch ratio/token_var;
+    - acc_greedy: the final greedy accuracy; acc_gap: acc_greedy minus the ``reference`` arm's at the same
+      factor and level (NaN where that cell is missing).
+    Also runs and level_index (the level's position in its factor: ``levels[factor]`` if given, else
+    level_order). Rows without a factor label are left out.
+    """
+    _check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
+    if len(eval_df):
+        _check_columns(eval_df, ["arm", "step", "eval/acc_greedy"], "eval_df")
+    frames = [_with_labels(f) for f in (metrics_df, eval_df)]
+    m, e = (f[f["factor"].notna()] if len(f) else f for f in frames)
+    keys = ["factor", "level", "arm_base"]
+    run_keys = list(dict.fromkeys([*keys, *_run_keys(m)]))
+    change = m["routing/expert_change"]
+    if "routing/expert_change_latent" in m:
+        change = m["routing/expert_change_latent"].fillna(change)
+    by_update = m.assign(_change=change, step=m["update"] if "update" in m else m["step"])
+    per_run = last_frac_means(by_update, ["_change"], keys, last_frac).set_index(run_keys)
+    per_run["ratio_var_p99"] = m.groupby(run_keys, dropna=False, sort=True)["ratio/token_var"].quantile(0.99)
+    if len(e):
+        per_run["acc_greedy"] = final_values(e, ["eval/acc_greedy"], keys).set_index(run_keys)["eval/acc_greedy"]
+    else:
+        per_run["acc_greedy"] = math.nan
+    per_run = per_run.rename(columns={"_change": "expert_change"}).astype(float)
+    grouped = per_run.groupby(keys, dropna=False, sort=True)
+    table = grouped[["expert_change", "ratio_var_p99", "acc_greedy"]].mean()
+    table.insert(0, "runs", grouped.size())
+    table = table.reset_index()
+    ref = table[table["arm_base"] == reference].set_index(["factor", "level"])["acc_greedy"]
+    table["acc_gap"] = table["acc_greedy"] - [ref.get((f, lv), math.nan) for f, lv in zip(table["factor"],
+                                                                                            table["level"])]
+    order = {f: [str(v) for v in (levels or {}).get(f, [])] or level_order(table.loc[table["factor"] == f, "level"])
+             for f in table["factor"].unique()}
+    unknown = [(f, lv) for f, lv in zip(table["factor"], table["level"]) if lv not in order[f]]
+    if unknown:
+        raise ValueError(f"levels: {unknown[:3]} not listed; allowed: the levels of each factor, e.g. {order}")
+    table["level_index"] = [order[f].index(lv) for f, lv in zip(table["factor"], table["level"])]
+    factor_rank = {f: i for i, f in enumerate(dict.fromkeys([*(levels or {}), *sorted(order)]))}
+    table = table.assign(_f=table["factor"].map(factor_rank)).sort_values(["_f", "level_index", "arm_base"])
+    return table.drop(columns="_f").reset_index(drop=True)
+
+
+def _with_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """arm_base, factor and level columns (load_runs adds them; hand-made frames may not have them)."""
+    if not len(frame) or {"arm_base", "factor", "level"} <= set(frame.columns):
+        return frame
+    factor_level = frame["arm"].map(arm_factor_level)
+    return frame.assign(arm_base=frame["arm"].map(base_arm), factor=factor_level.str[0], level=factor_level.str[1])

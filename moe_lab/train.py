@@ -1,20 +1,21 @@
 """One RL run: cold-started policy, the step loop, evaluation, checkpoints and a clean ending.
 
 A run never raises on a training pathology: NaN/inf and a collapsed reward end it with a status and a
-reason in its manifest, so that one bad cell never takes down a batch of runs.
+reason in its manifest, so that one bad cell never takes down a batch of runs. The manifest also records
+``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/health.py that fired (soft rules
+mark the run without stopping it unless rl.stop_on_collapse).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from moe_lab import checkpoint
+from moe_lab import checkpoint, health
 from moe_lab.coldstart import cold_start
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
@@ -23,10 +24,6 @@ from moe_lab.rollout import accuracy
 from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text, config_state
 from moe_lab.step import rl_step
 from moe_lab.tasks import get_task, load_tokenizer
-
-# A reward that stays exactly 0 for this many consecutive steps means the policy has collapsed:
-# every advantage is 0 from then on, so further steps only burn time.
-COLLAPSE_STEPS = 5
 
 
 def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
@@ -56,14 +53,16 @@ def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) 
             "perf/eval_s": time.perf_counter() - t0}
 
 
-def _failure(rows: list[dict], zero_reward_steps: int) -> str:
-    """The reason to stop, or '' to go on."""
-    for r in rows:
-        if not math.isfinite(r["loss"]) or not math.isfinite(r["optim/grad_norm"]):
-            return f"non-finite loss or gradient at step {r['step']} minibatch {r['minibatch']}"
-    if zero_reward_steps >= COLLAPSE_STEPS:
-        return f"reward collapsed: exactly 0 for {COLLAPSE_STEPS} consecutive steps"
-    return ""
+def _failure(rows: list[dict], state: health.HealthState, rl) -> tuple[str, health.HealthState]:
+    """The reason to stop after this step's rows ('' to go on), and the run's health after them."""
+    params, obs = health.CollapseParams.from_config(rl), health.observe(rows)
+    state = health.advance(state, params, obs)
+    return health.stop_reason(state, obs, params, rl.stop_on_collapse), state
+
+
+def _health(cfg: RunConfig, log: RunLog) -> health.HealthState:
+    """The health after the logged rows: recomputed, never checkpointed, so a resume needs no extra state."""
+    return health.replay(health.CollapseParams.from_config(cfg.rl), log.rows)
 
 
 def _claim(run_dir: Path, config_text: str) -> None:
@@ -105,19 +104,20 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     task, policy, rollout_policy, ref_model, optimizer = _setup(cfg, progress)
     torch.manual_seed(cfg.seed)  # after setup: loading or warming up the model may consume random numbers
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer) or {"step": 0, "rows": 0, "eval_rows": 0,
-                                                                          "zero_reward_steps": 0, "wall_s": 0.0}
+                                                                          "wall_s": 0.0}
     log.load(state["rows"], state["eval_rows"])
-    log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"])
+    log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"], **_health(cfg, log).manifest())
     reason = _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log, state, run_dir, progress)
     status = STATUS_FAILED if reason else STATUS_DONE
     log.flush()
-    log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"])
+    log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"], **_health(cfg, log).manifest())
     return status
 
 
 def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, state: dict, run_dir: Path,
           progress: bool) -> str:
     eval_prompts = task.eval_prompts()
+    run_health = _health(cfg, log)
     steps = range(state["step"], cfg.rl.steps)
     bar = _progress(steps, progress, log.info["run_id"])
     for step in bar:
@@ -130,9 +130,8 @@ def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, 
         state["wall_s"] += time.perf_counter() - t0
         for r in rows:
             log.add({**r, "perf/wall_s": state["wall_s"]})
-        state["zero_reward_steps"] = state["zero_reward_steps"] + 1 if rows[0]["reward/mean"] == 0 else 0
         state["step"] = step + 1
-        reason = _failure(rows, state["zero_reward_steps"])
+        reason, run_health = _failure(rows, run_health, cfg.rl)
         if reason:
             return reason
         if state["step"] % cfg.rl.checkpoint_every == 0 or state["step"] == cfg.rl.steps:

@@ -229,3 +229,73 @@ def test_varies_needs_several_values_within_one_arm(paper, root):
     assert not figures.varies(metrics, "rl.clip_low_resolved")  # GRPO 0.2 vs GSPO 3e-4 is not a sweep
     sweep, _ = results.load_runs(root / "clip_sweep")
     assert figures.varies(sweep, "rl.clip_low_resolved") and not figures.varies(sweep, "rl.router_lr_mult")
+
+
+# --------------------------------------------------------------------------- collapse survival and atlas
+
+
+@pytest.fixture(scope="module")
+def collapsed(tmp_path_factory):
+    """Two arms of three seeds; grpo-s0's reward is 0 from step 2 (zero-reward rule fires at step 6)."""
+    exp = write_experiment(tmp_path_factory.mktemp("collapse") / "exp",
+                           {"grpo": PAPER_ARMS["grpo"], "gspo": PAPER_ARMS["gspo"]}, seeds=(0, 1, 2), steps=9,
+                           layers=2)
+    f = exp / "runs" / "grpo-s0" / "metrics.parquet"
+    df = pd.read_parquet(f)
+    df.loc[df["step"] >= 2, "reward/mean"] = 0.0
+    df.to_parquet(f)
+    return exp
+
+
+def test_survival_draws_the_kaplan_meier_steps_per_arm(collapsed):
+    metrics, _ = results.load_runs(collapsed)
+    fig = plots.survival(metrics)
+    ax = fig.axes[0]
+    assert labels(ax) == ["GRPO", "GSPO"] and ax.get_xlabel() == "RL step" and "not yet collapsed" in ax.get_ylabel()
+    grpo, gspo = ax.get_lines()
+    assert list(grpo.get_xdata()) == list(range(9)) and grpo.get_drawstyle() == "steps-post"
+    assert list(grpo.get_ydata()) == pytest.approx([1] * 6 + [2 / 3] * 3)
+    assert list(gspo.get_ydata()) == [1] * 9
+    assert mcolors.to_hex(grpo.get_color()) == plots.arm_color("grpo").lower()
+
+
+def test_survival_is_planned_only_once_a_run_collapsed(collapsed, paper):
+    assert "survival" in figures.planned_figures(*results.load_runs(collapsed))
+    assert "survival" not in figures.planned_figures(*paper)
+
+
+def atlas_experiment(root):
+    arms = {}
+    for base in ("grpo", "grpo_r2", "gspo"):
+        for mult in (1, 10, 100):
+            arms[f"{base}__router_lr={mult}"] = {**PAPER_ARMS[base], "rl": {**PAPER_ARMS[base]["rl"],
+                                                                         "router_lr_mult": float(mult)}}
+        for noise in (0, 0.1):
+            arms[f"{base}__noise={noise}"] = {"rl": {**PAPER_ARMS[base]["rl"], "router_noise": float(noise)}}
+    return write_experiment(root, arms, seeds=(0,), steps=4, layers=2)
+
+
+def test_atlas_small_multiples_one_column_per_factor(tmp_path):
+    metrics, evals = results.load_runs(atlas_experiment(tmp_path / "atlas"))
+    fig = plots.atlas(metrics, evals)
+    table = results.atlas_table(metrics, evals)
+    axes = np.array(fig.axes).reshape(3, 2)
+    assert [ax.get_title() for ax in axes[0]] == ["noise", "router_lr"]
+    for j, (factor, levels) in enumerate((("noise", ["0", "0.1"]), ("router_lr", ["1", "10", "100"]))):
+        for i, col in enumerate(("expert_change", "ratio_var_p99", "acc_gap")):
+            ax = axes[i, j]
+            assert [t.get_text() for t in ax.get_xticklabels()] == levels
+            assert labels(ax) == ["GRPO", "GRPO + R2 replay", "GSPO"]
+            for line, arm in zip(ax.get_lines(), ("grpo", "grpo_r2", "gspo")):
+                rows = table[(table["factor"] == factor) & (table["arm_base"] == arm)]
+                assert list(line.get_xdata()) == list(range(len(levels)))
+                assert list(line.get_ydata()) == pytest.approx(list(rows[col]))
+    assert axes[1, 0].get_yscale() == "log" and axes[0, 0].get_yscale() == "linear"
+    assert "R2" in axes[2, 0].get_ylabel() and legend_texts(fig) == ["GRPO", "GRPO + R2 replay", "GSPO"]
+    assert list(figures.planned_figures(metrics, evals))[-1] == "atlas"
+
+
+def test_atlas_needs_factor_labels_and_sweeps_are_not_atlases(paper, root):
+    with pytest.raises(ValueError, match="label"):
+        plots.atlas(*paper)
+    assert not figures.is_atlas(results.load_runs(root / "volatility_sweep")[0])

@@ -7,6 +7,7 @@ import math
 import shutil
 import statistics
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,8 @@ from synthetic import PAPER_ARMS, write_experiment
 
 from moe_lab import results
 from moe_lab.config import PAPER_CLIP
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def t_cdf_minus_half(q: float, df: int) -> float:
@@ -259,3 +262,176 @@ def test_reference_dir_env_var_then_walk_up(tmp_path, monkeypatch):
 def test_base_arm_and_flatten():
     assert results.base_arm("grpo__rl.router_lr_mult=10") == "grpo" and results.base_arm("gspo_token") == "gspo_token"
     assert results.flatten({"rl": {"clip": {"low": 1}}, "seed": 0}) == {"rl.clip.low": 1, "seed": 0}
+
+
+# --------------------------------------------------------------------------- collapse statistics
+
+
+@pytest.mark.parametrize("k, n, expected", [(0, 5, (0.0, 0.4345)), (5, 10, (0.2366, 0.7634)), (1, 10, (0.0179, 0.4042)),
+                                            (5, 5, (0.5655, 1.0)), (3, 3, (0.4385, 1.0))])
+def test_wilson_interval_known_values(k, n, expected):
+    assert results.wilson_interval(k, n) == pytest.approx(expected, abs=5e-5)
+
+
+def test_wilson_interval_symmetry_nan_and_bad_input():
+    for n in (1, 4, 7):
+        for k in range(n + 1):
+            lo, hi = results.wilson_interval(k, n)
+            assert 0 <= lo <= k / n <= hi <= 1
+            assert (1 - hi, 1 - lo) == pytest.approx(results.wilson_interval(n - k, n))
+    assert all(math.isnan(v) for v in results.wilson_interval(0, 0))
+    with pytest.raises(ValueError, match="k=6"):
+        results.wilson_interval(6, 5)
+
+
+@pytest.fixture
+def collapsing(tmp_path):
+    """grpo-s0's reward is exactly 0 from step 6 (the zero-reward rule fires at step 10); grpo-s1 is healthy.
+    The synthetic manifests predate collapsed_at, like every run folder written before this field."""
+    exp = write_experiment(tmp_path / "exp", {"grpo": PAPER_ARMS["grpo"]}, seeds=(0, 1), steps=14, layers=2)
+    f = exp / "runs" / "grpo-s0" / "metrics.parquet"
+    df = pd.read_parquet(f)
+    df.loc[df["step"] >= 6, "reward/mean"] = 0.0
+    df.to_parquet(f)
+    return exp
+
+
+def test_old_manifest_collapse_is_recomputed_from_its_rows(collapsing):
+    metrics, evals = results.load_runs(collapsing)
+    runs = results.collapse_runs(metrics).set_index("run_id")
+    assert runs.loc["grpo-s0", "collapsed_at"] == 10 and runs.loc["grpo-s0", "collapse_rule"] == "zero_reward"
+    assert np.isnan(runs.loc["grpo-s1", "collapsed_at"]) and runs.loc["grpo-s1", "collapse_rule"] == ""
+    assert (runs["last_step"] == 13).all()
+    assert "collapsed_at" in evals.columns
+
+
+def test_manifest_collapse_wins_over_the_rows(collapsing):
+    for run, value in (("grpo-s0", None), ("grpo-s1", 3)):
+        manifest = collapsing / "runs" / run / "manifest.json"
+        rule = None if value is None else "reward_drop"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "collapsed_at": value,
+                                        "collapse_rule": rule}))
+    runs = results.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
+    assert np.isnan(runs.loc["grpo-s0", "collapsed_at"]) and runs.loc["grpo-s0", "collapse_rule"] == ""
+    assert runs.loc["grpo-s1", "collapsed_at"] == 3 and runs.loc["grpo-s1", "collapse_rule"] == "reward_drop"
+
+
+@pytest.mark.parametrize("status, traceback", [("running", None), ("failed", "Traceback ...")])
+def test_unfinished_run_collapse_comes_from_its_rows(collapsing, status, traceback):
+    # the manifest of a running (or crashed) attempt holds the value from its start; its rows went on
+    manifest = collapsing / "runs" / "grpo-s0" / "manifest.json"
+    extra = {"traceback": traceback} if traceback else {}
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "status": status, "collapsed_at": None,
+                                    "collapse_rule": None, **extra}))
+    runs = results.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
+    assert runs.loc["grpo-s0", "collapsed_at"] == 10 and runs.loc["grpo-s0", "collapse_rule"] == "zero_reward"
+
+
+def test_summary_collapse_rate_wilson_and_median(collapsing):
+    table = results.summarize(*results.load_runs(collapsing)).set_index("arm")
+    row = table.loc["grpo"]
+    assert (row["collapses"], row["collapse_rate"], row["collapse_step_median"]) == (1, 0.5, 10.0)
+    assert (row["collapse_rate_lo"], row["collapse_rate_hi"]) == pytest.approx(results.wilson_interval(1, 2))
+    text = results.format_summary(table.reset_index())
+    assert "1/2 [0.09, 0.91]" in text and "collapse step" in text.splitlines()[0]
+
+
+def test_summary_without_collapse_column_says_unknown():
+    metrics, evals = hand_frames({0: 4, 1: 4})
+    row = results.summarize(metrics, evals).iloc[0]
+    assert all(np.isnan(row[c]) for c in results.COLLAPSE_COLUMNS)
+    assert "collapsed" not in results.format_summary(results.summarize(metrics, evals))
+
+
+def test_reference_runs_never_collapse_under_the_default_rules():
+    # the committed reference runs are healthy learning curves: the defaults must not call them collapsed
+    metrics, _ = results.load_runs([results.reference_dir(s, start=ROOT) for s in ("paper", "clip_sweep")])
+    runs = results.collapse_runs(metrics)
+    assert len(runs) >= 30 and runs["collapsed_at"].isna().all()
+
+
+def survival_frame() -> pd.DataFrame:
+    """Arm a: collapses at 3 and 5, censored at 4 and 9; arm b: one run censored at 2."""
+    rows = []
+    for arm, run, last, at in (("a", "r1", 3, 3), ("a", "r2", 5, 5), ("a", "r3", 4, None), ("a", "r4", 9, None),
+                               ("b", "r5", 2, None)):
+        rows += [{"arm": arm, "run_id": run, "experiment": "x", "step": s, "collapsed_at": at} for s in range(last + 1)]
+    return pd.DataFrame(rows).astype({"collapsed_at": float})
+
+
+def test_survival_table_is_the_kaplan_meier_step_function():
+    table = results.survival_table(survival_frame())
+    a = table[table["arm"] == "a"]
+    assert list(a["step"]) == list(range(10))
+    # S(3) = 1 - 1/4; S(5) = 0.75 * (1 - 1/2): r3 (censored at 4) is no longer at risk at 5
+    assert list(a["survival"]) == pytest.approx([1, 1, 1, 0.75, 0.75, 0.375, 0.375, 0.375, 0.375, 0.375])
+    assert list(a["at_risk"]) == [4, 4, 4, 4, 3, 2, 1, 1, 1, 1]
+    assert list(a["collapsed"]) == [0, 0, 0, 1, 0, 1, 0, 0, 0, 0]
+    b = table[table["arm"] == "b"]
+    assert list(b["survival"]) == [1, 1, 1] and list(b["at_risk"]) == [1, 1, 1]
+
+
+# --------------------------------------------------------------------------- stability atlas
+
+
+def test_arm_factor_level_parses_labels_and_load_runs_adds_them(experiment):
+    assert results.arm_factor_level("grpo__updates=16") == ("updates", "16")
+    assert results.arm_factor_level("grpo_r2__rl.router_noise=0.1") == ("rl.router_noise", "0.1")
+    assert results.arm_factor_level("gspo__rl.clip_low=0.1__rl.clip_high=0.13") == \
+        ("rl.clip_low+rl.clip_high", "0.1,0.13")
+    assert results.arm_factor_level("grpo") == (None, None)
+    metrics, _ = results.load_runs(experiment)
+    assert metrics["factor"].isna().all() and metrics["level"].isna().all()
+
+
+ATLAS_CELLS = {("noise", "2"): 1, ("noise", "10"): 2, ("depth", "4"): 1}  # cell -> seeds
+
+
+def atlas_frames():
+    """Arms grpo and grpo_r2 per cell; values a known function of (arm, factor, level, seed, update)."""
+    rows, evals = [], []
+    for (factor, level), seeds in ATLAS_CELLS.items():
+        for base in ("grpo", "grpo_r2"):
+            arm = f"{base}__{factor}={level}"
+            for seed in range(seeds):
+                scale = float(level) * (2 if base == "grpo" else 1) + seed
+                info = {"arm": arm, "run_id": f"{arm}-s{seed}", "experiment": "atlas", "seed": seed}
+                for update in range(8):
+                    forced = 0.0 if base == "grpo_r2" else 0.01 * scale * (update + 1)
+                    rows.append({**info, "step": update // 2, "minibatch": update % 2, "update": update,
+                                 "routing/expert_change": forced,
+                                 "routing/expert_change_latent": 0.01 * scale * (update + 1),
+                                 "ratio/token_var": scale * (update + 1) ** 2})
+                for step in (0, 4):
+                    evals.append({**info, "step": step, "eval/acc_greedy": 0.1 * step / 4 * scale / 10})
+    return pd.DataFrame(rows), pd.DataFrame(evals)
+
+
+def test_atlas_table_matches_hand_computation():
+    table = results.atlas_table(*atlas_frames())
+    assert list(zip(table["factor"], table["level"], table["arm_base"])) == [
+        ("depth", "4", "grpo"), ("depth", "4", "grpo_r2"), ("noise", "2", "grpo"), ("noise", "2", "grpo_r2"),
+        ("noise", "10", "grpo"), ("noise", "10", "grpo_r2")]  # levels in numeric order, not as strings
+    assert list(table["level_index"]) == [0, 0, 0, 0, 1, 1]
+    for _, row in table.iterrows():
+        seeds = ATLAS_CELLS[(row["factor"], row["level"])]
+        scales = [float(row["level"]) * (2 if row["arm_base"] == "grpo" else 1) + s for s in range(seeds)]
+        # last 25% of 8 updates = updates 6 and 7 (values 7 and 8 x 0.01 x scale); latent for both arms
+        assert row["expert_change"] == pytest.approx(statistics.mean(0.01 * sc * 7.5 for sc in scales))
+        p99 = [float(np.percentile([sc * (u + 1) ** 2 for u in range(8)], 99)) for sc in scales]
+        assert row["ratio_var_p99"] == pytest.approx(statistics.mean(p99))
+        acc = statistics.mean(0.1 * sc / 10 for sc in scales)
+        ref_scales = [float(row["level"]) + s for s in range(seeds)]
+        assert row["acc_greedy"] == pytest.approx(acc) and row["runs"] == seeds
+        assert row["acc_gap"] == pytest.approx(acc - statistics.mean(0.1 * sc / 10 for sc in ref_scales))
+    assert (table.loc[table["arm_base"] == "grpo_r2", "acc_gap"] == 0).all()
+
+
+def test_atlas_table_level_order_given_and_checked():
+    metrics, evals = atlas_frames()
+    table = results.atlas_table(metrics, evals, levels={"noise": ["10", "2"]})
+    assert list(table["factor"])[:4] == ["noise"] * 4  # the given factor first
+    assert list(table.loc[table["factor"] == "noise", "level"]) == ["10", "10", "2", "2"]
+    with pytest.raises(ValueError, match="levels"):
+        results.atlas_table(metrics, evals, levels={"noise": ["2"]})
+    assert np.isnan(results.atlas_table(metrics, evals, reference="nope")["acc_gap"]).all()

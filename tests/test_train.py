@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from moe_lab import health
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
 from moe_lab.experiment import expand
 from moe_lab.runner import run_experiment
@@ -140,6 +142,8 @@ def test_same_seed_gives_identical_tables(tmp_path):
     train(cfg, tmp_path / "a", run_id="x")
     train(cfg, tmp_path / "b", run_id="x")
     pd.testing.assert_frame_equal(_table(tmp_path / "a"), _table(tmp_path / "b"))
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert (manifest["collapsed_at"], manifest["collapse_rule"]) == (None, None)  # a healthy run: no collapse
 
 
 def _launch(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
@@ -155,7 +159,8 @@ def _launch(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
 def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides):
     from moe_lab.config import dump_yaml
 
-    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.eval_every=3", *overrides)
+    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.eval_every=3", *overrides,
+               *HAIR_TRIGGER)  # the health state must survive the resume too
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(dump_yaml(cfg))
     train(cfg, tmp_path / "ref", run_id="k")  # also warms the cold-start cache
@@ -173,6 +178,32 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides)
     pd.testing.assert_frame_equal(_table(tmp_path / "ref"), _table(tmp_path / "killed"))
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "ref" / "eval.parquet").drop(columns=TIMING, errors="ignore"),
                                   pd.read_parquet(tmp_path / "killed" / "eval.parquet").drop(columns=TIMING, errors="ignore"))
+    ref, killed = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("ref", "killed"))
+    assert ref["collapsed_at"] is not None and ref["status"] == "done"
+    assert (killed["collapsed_at"], killed["collapse_rule"]) == (ref["collapsed_at"], ref["collapse_rule"])
+
+
+# Soft reward rule on a hair trigger: any step whose reward is below 99% of the best so far fires it.
+HAIR_TRIGGER = ("rl.collapse_window=1", "rl.collapse_drop=0.99", "rl.collapse_patience=1", "rl.collapse_min_best=0")
+
+
+def test_soft_collapse_is_recorded_and_stops_the_run_only_when_asked(tmp_path):
+    go_on = train(tiny(tmp_path, "rl.steps=4", *HAIR_TRIGGER), tmp_path / "go_on", run_id="x")
+    stop = train(tiny(tmp_path, "rl.steps=4", *HAIR_TRIGGER, "rl.stop_on_collapse=true"), tmp_path / "stop",
+                 run_id="x")
+    rows = pd.read_parquet(tmp_path / "go_on" / "metrics.parquet").to_dict("records")
+    expected = health.replay(health.CollapseParams(window=1, drop=0.99, patience=1, min_best=0.0), rows)
+    manifest = json.loads((tmp_path / "go_on" / "manifest.json").read_text())
+    assert expected.collapse_rule == "reward_drop" and 0 < expected.collapsed_at < 3, "pick a tighter trigger"
+    assert (go_on, manifest["collapsed_at"], manifest["collapse_rule"]) == ("done", expected.collapsed_at,
+                                                                            "reward_drop")
+    assert manifest["steps_done"] == 4
+    stopped = json.loads((tmp_path / "stop" / "manifest.json").read_text())
+    assert stop == "failed" and stopped["reason"].startswith(f"reward collapsed at step {expected.collapsed_at}")
+    assert stopped["collapsed_at"] == expected.collapsed_at and stopped["steps_done"] == expected.collapsed_at + 1
+    cut = _table(tmp_path / "go_on")
+    pd.testing.assert_frame_equal(_table(tmp_path / "stop"), cut[cut["step"] <= expected.collapsed_at])
+
 
 
 def test_train_refuses_a_folder_holding_another_config(tmp_path):
