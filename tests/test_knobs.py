@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import signal
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -15,7 +18,7 @@ from test_train import TIMING, _launch, _table, tiny
 
 from moe_lab import step as step_mod
 from moe_lab import train as train_mod
-from moe_lab.coldstart import cache_key, cold_start, demonstration_batch
+from moe_lab.coldstart import FORMAT_VERSION, cache_key, cold_start, demonstration_batch
 from moe_lab.config import ConfigError, dump_yaml, validate
 from moe_lab.models import load_model
 from moe_lab.optim import build_optimizer
@@ -194,11 +197,6 @@ def test_sigkill_resume_reproduces_the_table_with_the_knobs_on(tmp_path):
 
 def test_default_cold_start_keeps_its_cache_key(tmp_path):
     """The new field is hashed only when set: every existing cache entry stays valid."""
-    import hashlib
-    import json
-
-    from moe_lab.coldstart import FORMAT_VERSION
-
     cfg = tiny(tmp_path)
     cs = dataclasses.asdict(cfg.coldstart)
     cs.pop("cache_dir"), cs.pop("aux_loss_coef")
@@ -212,7 +210,7 @@ def test_default_cold_start_keeps_its_cache_key(tmp_path):
 def _imbalance(model_dir, cfg) -> float:
     task = get_task(cfg.task, load_tokenizer(str(model_dir)))
     model = load_model(model_dir)
-    rng = __import__("numpy").random.default_rng(123)
+    rng = np.random.default_rng(123)
     ids, attn, resp = demonstration_batch(task, task.sample_prompts(64, rng))
     with torch.no_grad(), record(model) as trace:
         forward_logits(model, ids, attn)
@@ -238,7 +236,7 @@ def test_long_copy_has_long_responses_and_both_rewards(tmp_path):
                                                                       partial_credit=False)))
     task = get_task(cfg.task)
     assert task.max_new_tokens - 1 >= 128
-    prompt = task.sample_prompts(1, __import__("numpy").random.default_rng(0))[0]
+    prompt = task.sample_prompts(1, np.random.default_rng(0))[0]
     answer = task.answer(prompt)
     assert answer == prompt[:-1] * 8 and len(answer) == 128
     assert task.reward(prompt, answer) == 1.0 and task.reward(prompt, answer[:-1]) == 0.0
