@@ -1,5 +1,8 @@
 """Resumable training state: weights (safetensors), optimizer and RNG (tensors only), a JSON marker.
 
+With rl.rollout_lag > 0 the lagged rollout weights (the starts of the last k steps) are saved too
+(``lagged.safetensors``, keys ``<i>/<parameter name>``, oldest first): a resume samples with them.
+
 A checkpoint is written whole into ``<dir>.tmp`` and swapped in by renames, so at every instant either
 ``<dir>`` or (between the two renames) ``<dir>.old`` holds a complete checkpoint: a run killed during a
 save resumes from the previous one. ``state.json`` is written last and marks a folder as complete.
@@ -19,18 +22,22 @@ import torch
 from moe_lab.runlog import atomic_write_bytes, atomic_write_text
 
 MARKER = "state.json"
+SNAPSHOTS = "lagged.safetensors"
 
 
 def _sibling(ckpt_dir: Path, suffix: str) -> Path:
     return ckpt_dir.with_name(ckpt_dir.name + suffix)
 
 
-def save(ckpt_dir: Path, model, optimizer, state: dict) -> None:
+def save(ckpt_dir: Path, model, optimizer, state: dict, snapshots: list[dict] | None = None) -> None:
     ckpt_dir = Path(ckpt_dir)
     tmp, old = _sibling(ckpt_dir, ".tmp"), _sibling(ckpt_dir, ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+    if snapshots:
+        flat = {f"{i}/{name}": t.contiguous() for i, snap in enumerate(snapshots) for name, t in snap.items()}
+        safetensors.torch.save_file(flat, str(tmp / SNAPSHOTS))
     buf = io.BytesIO()
     rng = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():  # generate() samples with the CUDA generator on a GPU
@@ -67,3 +74,16 @@ def load(ckpt_dir: Path, model, optimizer) -> dict | None:
     if "cuda_rng" in blob and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(blob["cuda_rng"])
     return state
+
+
+def load_snapshots(ckpt_dir: Path, device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """The lagged weight snapshots of the checkpoint load() restores (oldest first); [] if none."""
+    found = _complete(Path(ckpt_dir))
+    if found is None or not (found / SNAPSHOTS).is_file():
+        return []
+    flat = safetensors.torch.load_file(str(found / SNAPSHOTS), device=str(device))
+    snaps: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        i, name = key.split("/", 1)
+        snaps.setdefault(int(i), {})[name] = t
+    return [snaps[i] for i in sorted(snaps)]

@@ -39,10 +39,18 @@ FORMAT_VERSION = 1
 META_FILE = "coldstart.json"
 
 
+# Fields added after caches existed: hashed only when set away from their default, so that every config
+# that does not use them keeps the key (and the cached model) it had before they existed.
+_HASHED_IF_SET = {"aux_loss_coef": 0.0}
+
+
 def cache_key(cfg: RunConfig) -> str:
     """sha256 of the canonical JSON of everything that determines the warmed-up weights (not cache_dir)."""
     coldstart = dataclasses.asdict(cfg.coldstart)
     coldstart.pop("cache_dir")
+    for name, default in _HASHED_IF_SET.items():
+        if coldstart[name] == default:
+            coldstart.pop(name)
     payload = {"format": FORMAT_VERSION, "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
                "coldstart": coldstart}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
@@ -76,17 +84,25 @@ def demonstration_batch(task: Task, prompts: list[str]) -> tuple[torch.Tensor, t
     return ids_BS, mask_BS, resp_BS[:, 1:]
 
 
-def sft_loss(model, ids_BS: torch.Tensor, mask_BS: torch.Tensor, resp_BT: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced cross-entropy, mean over response tokens only (prompt and padding carry no loss)."""
-    logits_BTV = forward_logits(model, ids_BS, mask_BS).logits
-    logp_BT = token_logprobs(logits_BTV, ids_BS)
+def sft_loss(model, ids_BS: torch.Tensor, mask_BS: torch.Tensor, resp_BT: torch.Tensor,
+             aux_loss_coef: float = 0.0) -> torch.Tensor:
+    """Teacher-forced cross-entropy, mean over response tokens only (prompt and padding carry no loss).
+
+    aux_loss_coef > 0 adds the model's own load-balancing loss (``output_router_logits=True``), as MoE
+    pretraining does; at 0 the forward is exactly the one without it.
+    """
+    kwargs = {"output_router_logits": True} if aux_loss_coef > 0 else {}
+    out = forward_logits(model, ids_BS, mask_BS, **kwargs)
+    logp_BT = token_logprobs(out.logits, ids_BS)
     # where, not a product with the mask: a padding row's logits are never allowed to leak (even as NaN * 0)
-    return -torch.where(resp_BT, logp_BT, 0.0).sum() / resp_BT.sum().clamp(min=1)
+    loss = -torch.where(resp_BT, logp_BT, 0.0).sum() / resp_BT.sum().clamp(min=1)
+    return loss + aux_loss_coef * out.aux_loss if aux_loss_coef > 0 else loss
 
 
-def sft_step(model, optimizer: torch.optim.Optimizer, task: Task, prompts: list[str]) -> float:
+def sft_step(model, optimizer: torch.optim.Optimizer, task: Task, prompts: list[str],
+             aux_loss_coef: float = 0.0) -> float:
     """One AdamW step on the demonstrations of `prompts`; returns the loss before the step."""
-    loss = sft_loss(model, *(t.to(model.device) for t in demonstration_batch(task, prompts)))
+    loss = sft_loss(model, *(t.to(model.device) for t in demonstration_batch(task, prompts)), aux_loss_coef)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -119,7 +135,7 @@ def warm_up(model, task: Task, cfg: RunConfig, *, progress: bool = False) -> dic
             bar.set_postfix(loss=loss, acc=acc)
             if acc >= cs.target_accuracy or step == cs.max_steps:
                 break
-        loss = sft_step(model, optimizer, task, task.sample_prompts(cs.batch_size, rng))
+        loss = sft_step(model, optimizer, task, task.sample_prompts(cs.batch_size, rng), cs.aux_loss_coef)
         step += 1
         bar.update()
     bar.close()

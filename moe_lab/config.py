@@ -56,8 +56,9 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = param("sort", "task with a verifiable reward",
-                      choices=("sort", "addition", "reverse", "long_addition"))
-    length: int = param(16, "problem size: digits to sort, string length to reverse, or digits per addend", ge=1, le=64)
+                      choices=("sort", "addition", "reverse", "long_addition", "long_copy"))
+    length: int = param(16, "problem size: digits to sort, string length to reverse, digits per addend, or "
+                            "letters of long_copy's block (its response writes the block 8 times)", ge=1, le=64)
     partial_credit: bool = param(False, "reward = share of correct answer characters instead of exact match (0/1)")
     eval_size: int = param(128, "held-out evaluation prompts (disjoint from training prompts)", ge=1)
 
@@ -72,6 +73,8 @@ class ColdStartConfig:
     eval_every: int = param(5, "supervised steps between accuracy checks (sampled accuracy jumps fast: a coarse "
                                 "check overshoots the target)", ge=1)
     eval_samples: int = param(128, "prompts sampled for each accuracy check", ge=1)
+    aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient of the warm-up (the model's own "
+                                      "aux loss), so the router starts balanced like a pretrained MoE's", ge=0.0)
     cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
 
 
@@ -106,7 +109,11 @@ class RLConfig:
     steps: int = param(40, "RL steps (one rollout batch each)", ge=1)
     prompts_per_step: int = param(16, "prompts per rollout batch (B)", ge=1)
     group_size: int = param(8, "responses per prompt (G)", ge=2)
-    minibatches: int = param(4, "optimizer steps per rollout batch (the paper uses 4)", ge=1)
+    minibatches: int = param(4, "optimizer steps per rollout batch and epoch (the paper uses 4)", ge=1)
+    epochs: int = param(1, "passes over each rollout batch (PPO epochs), each in its own seeded order; "
+                           "epochs * minibatches - 1 updates per batch are off-policy (staleness)", ge=1)
+    rollout_lag: int = param(0, "rollouts sampled by the policy of this many steps earlier (asynchronous RL); "
+                                "logp_old and R2's trace still come from the current policy", ge=0)
     temperature: float = param(1.0, "sampling temperature of the rollout", gt=0.0)
     lr: float = param(1e-4, "AdamW learning rate (1e-3 collapses the sort task within 5 steps at this scale)", gt=0.0)
     router_lr_mult: float = param(1.0, "learning-rate multiplier of the router weights (volatility knob)", gt=0.0)
@@ -121,10 +128,14 @@ class RLConfig:
     kl_kind: str = param("k3", "KL estimator", choices=("k1", "k2", "k3"))
     kl_mode: str = param("loss", "KL as a loss term or as a per-token reward penalty", choices=("loss", "reward"))
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient during RL (default off)", ge=0.0)
-    router_noise: float = param(0.0, "std of Gaussian noise added to router logits in training passes "
-                                     "(volatility knob)", ge=0.0)
+    router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the old-policy and update "
+                                     "forwards: emulates non-deterministic forwards, where repeated passes of one "
+                                     "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
     rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
                                           "rollout-vs-train mismatch", choices=("float32", "bfloat16"))
+    train_dtype: str = param("float32", "autocast dtype of the old-policy and update forwards; master weights, "
+                                        "optimizer and log-probs stay fp32 (with rollout_dtype: every pairing)",
+                             choices=("float32", "bfloat16"))
     eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
     checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
     collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "

@@ -6,6 +6,7 @@ chooses which trace, if any, the update forwards are forced to follow. Nothing e
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -43,6 +44,17 @@ def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + salt)
 
 
+def train_precision(policy, cfg: RunConfig):
+    """Autocast of the trainer's forwards (old-policy pass and updates), as bf16 trainers run them.
+
+    Master weights and optimizer stay fp32 and token_logprobs upcasts the logits, so only the forward's
+    matmuls (router logits included) are bf16. float32: a no-op context, bit-identical to no context.
+    """
+    if cfg.rl.train_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=policy.device.type, dtype=getattr(torch, cfg.rl.train_dtype))
+
+
 @torch.no_grad()
 def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace, Trace]:
     """logp_old from a forward of the policy before any update: (logp_old, routing used, router's own choice).
@@ -53,7 +65,8 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     The routing used carries the old router's log-probs of its experts: the reference of routing/router_shift.
     """
     forced = batch.trace if cfg.rl.replay == "rollout" else None
-    with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle:
+    with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle, \
+            train_precision(policy, cfg):
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
     used, free = (handle, handle) if forced is None else (forced.with_router_logp(handle.router_logp_LBTK),
                                                           handle.latent)
@@ -220,7 +233,8 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
     with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
         shift = RouterShift(ref, current, mask)
-        loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg, shift)
+        with train_precision(policy, cfg):
+            loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg, shift)
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
     if math.isfinite(grad_norm):
         optimizer.step()
@@ -231,22 +245,38 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
     return metrics
 
 
-def minibatch_rows(n: int, minibatches: int, seed: int, step: int) -> list[torch.Tensor]:
-    """A seeded shuffle of the rollout batch split into equal minibatches."""
-    perm = torch.randperm(n, generator=_noise_gen(seed, step, 999_983))
+def minibatch_rows(n: int, minibatches: int, seed: int, step: int, epoch: int = 0) -> list[torch.Tensor]:
+    """A seeded shuffle of the rollout batch split into equal minibatches; each epoch has its own order.
+
+    Epoch 0 keeps the salt of single-epoch runs, so rl.epochs=1 draws exactly the permutation it always did.
+    """
+    perm = torch.randperm(n, generator=_noise_gen(seed, step, 999_983 + epoch * 1_009))
     return list(perm.chunk(minibatches))  # CPU index tensors: valid for CPU and CUDA tensors alike
+
+
+def updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer steps on one rollout batch: the first is on-policy, the other ones are stale."""
+    return cfg.rl.epochs * cfg.rl.minibatches
+
+
+def _schedule(n: int, cfg: RunConfig, step: int, first_update: int):
+    """(epoch, minibatch, update index, rows) of every update of one step, in order."""
+    mb = cfg.rl.minibatches
+    for epoch in range(cfg.rl.epochs):
+        for m, idx in enumerate(minibatch_rows(n, mb, cfg.seed, step, epoch)):
+            yield epoch, m, first_update + epoch * mb + m, idx
 
 
 def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
             first_update: int) -> list[dict]:
-    """Collect one rollout batch and run the minibatch updates; one row per update."""
+    """Collect one rollout batch and run epochs x minibatches updates; one row per update."""
     t0 = time.perf_counter()
     data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
     rows = []
     n = data.batch.input_ids_BS.shape[0]
-    for m, idx in enumerate(minibatch_rows(n, cfg.rl.minibatches, cfg.seed, step)):
-        metrics = update(policy, ref_model, optimizer, data, idx, cfg, step, first_update + m)
-        rows.append({"step": step, "minibatch": m, "update": first_update + m, **data.batch_metrics, **metrics})
+    for epoch, m, u, idx in _schedule(n, cfg, step, first_update):
+        metrics = update(policy, ref_model, optimizer, data, idx, cfg, step, u)
+        rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **data.batch_metrics, **metrics})
         if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
             break
     wall = time.perf_counter() - t0

@@ -8,6 +8,7 @@ mark the run without stopping it unless rl.stop_on_collapse).
 
 from __future__ import annotations
 
+import collections
 import copy
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from moe_lab.models import load_model, resolve_device
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import accuracy
 from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text, config_state
-from moe_lab.step import rl_step
+from moe_lab.step import rl_step, updates_per_step
 from moe_lab.tasks import get_task, load_tokenizer
 
 
@@ -32,13 +33,30 @@ def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
     return task.sample_prompts(cfg.rl.prompts_per_step, rng)
 
 
-def _sync_rollout_policy(policy, rollout_policy):
-    """The rollout copy follows the trained weights, cast to the rollout dtype (bf16 mismatch knob)."""
+def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
+    """The rollout copy takes the weights it samples with, cast to the rollout dtype (bf16 mismatch knob):
+    the oldest snapshot of the lag queue (rl.rollout_lag), or the trained weights when the queue is empty."""
     if rollout_policy is policy:
         return
+    source = lagged[0] if lagged else dict(policy.named_parameters())
     with torch.no_grad():
-        for dst, src in zip(rollout_policy.parameters(), policy.parameters()):
-            dst.copy_(src)
+        for name, dst in rollout_policy.named_parameters():
+            dst.copy_(source[name])
+
+
+def _snapshot(policy) -> dict[str, torch.Tensor]:
+    """fp32 copy of the weights at the start of a step: what a rollout worker k steps behind would hold."""
+    return {name: p.detach().clone() for name, p in policy.named_parameters()}
+
+
+def _push_snapshot(lagged: collections.deque, snapshot: dict | None, lag: int) -> None:
+    """Keep the starts of the last `lag` steps: lagged[0] is then the policy of step t - lag (or the
+    initial weights while t < lag, as an asynchronous run starts with every worker on them)."""
+    if snapshot is None:
+        return
+    lagged.append(snapshot)
+    while len(lagged) > lag:
+        lagged.popleft()
 
 
 def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) -> dict:
@@ -89,8 +107,9 @@ def _setup(cfg: RunConfig, progress: bool):
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
     rollout_policy = policy
-    if cfg.rl.rollout_dtype == "bfloat16":
-        rollout_policy = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
+    if cfg.rl.rollout_dtype == "bfloat16" or cfg.rl.rollout_lag > 0:
+        rollout_dtype = getattr(torch, cfg.rl.rollout_dtype)
+        rollout_policy = copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False)
     return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
 
 
@@ -105,9 +124,10 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     torch.manual_seed(cfg.seed)  # after setup: loading or warming up the model may consume random numbers
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer) or {"step": 0, "rows": 0, "eval_rows": 0,
                                                                           "wall_s": 0.0}
+    lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
     log.load(state["rows"], state["eval_rows"])
     log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"], **_health(cfg, log).manifest())
-    reason = _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log, state, run_dir, progress)
+    reason = _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log, state, run_dir, progress, lagged)
     status = STATUS_FAILED if reason else STATUS_DONE
     log.flush()
     log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"], **_health(cfg, log).manifest())
@@ -115,7 +135,7 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
 
 
 def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, state: dict, run_dir: Path,
-          progress: bool) -> str:
+          progress: bool, lagged: collections.deque) -> str:
     eval_prompts = task.eval_prompts()
     run_health = _health(cfg, log)
     steps = range(state["step"], cfg.rl.steps)
@@ -124,9 +144,11 @@ def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, 
         t0 = time.perf_counter()
         if step % cfg.rl.eval_every == 0:
             log.add_eval(_evaluate(policy, task, eval_prompts, cfg, step))
-        _sync_rollout_policy(policy, rollout_policy)
+        snapshot = _snapshot(policy) if cfg.rl.rollout_lag else None
+        _sync_rollout_policy(policy, rollout_policy, lagged)
         rows = rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg, step, step_prompts(task, cfg, step),
-                       first_update=step * cfg.rl.minibatches)
+                       first_update=step * updates_per_step(cfg))
+        _push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
         state["wall_s"] += time.perf_counter() - t0
         for r in rows:
             log.add({**r, "perf/wall_s": state["wall_s"]})
@@ -138,7 +160,7 @@ def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, 
             if state["step"] == cfg.rl.steps:
                 log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state["step"]))
             state["rows"], state["eval_rows"] = log.flush()
-            checkpoint.save(run_dir / "checkpoint", policy, optimizer, state)
+            checkpoint.save(run_dir / "checkpoint", policy, optimizer, state, snapshots=list(lagged))
     return ""
 
 

@@ -62,6 +62,10 @@ HAND = [  # (task, prompt, completion, exact, partial) worked out by hand
     ("long_addition", "47+85=", "7+5+0=12,4+8+1=13;122", 0.0, 2 / 3),
     ("long_addition", "47+85=", "7+5+0=12,4+8+1=13", 0.0, 0.0),  # no answer separator: no answer
     ("long_addition", "47+85=", "1;2;132", 1.0, 1.0),  # the answer follows the last separator
+    ("long_copy", "abch=", "abch" * 8, 1.0, 1.0),
+    ("long_copy", "abch=", "abch" * 7 + "abcc", 0.0, 31 / 32),
+    ("long_copy", "abch=", "abch", 0.0, 4 / 32),  # stopping early: the missing letters count as errors
+    ("long_copy", "abch=", "abch" * 9, 0.0, 32 / 36),  # running past the answer is penalised too
 ]
 
 

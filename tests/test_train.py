@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
 TIMING = [c for c in ("perf/rollout_s", "perf/old_s", "perf/update_s", "perf/step_s", "perf/tokens_per_s",
                       "perf/wall_s", "perf/eval_s")]
-REQUIRED = ["run_id", "arm", "algo", "replay", "seed", "step", "minibatch", "update", "loss",
+REQUIRED = ["run_id", "arm", "algo", "replay", "seed", "step", "epoch", "minibatch", "update", "loss",
             "clip_frac/out_of_range", "clip_frac/active", "clip_frac/low", "clip_frac/high", "clip_frac/seq",
             "ratio/token_mean", "ratio/token_var", "ratio/logratio_var", "ratio/seq_mean", "ratio/seq_var",
             "ratio/extreme_frac", "kl/k3", "routing/expert_change", "routing/expert_change_latent",
@@ -62,7 +62,8 @@ def test_smoke_every_arm_has_the_schema_and_finite_values(tmp_path):
         required = [c for c in REQUIRED if cell.config.rl.old_logp == "old_forward" or not c.startswith("mismatch/")]
         missing = [c for c in required if c not in df.columns]
         assert not missing, f"{cell.run_id} lacks {missing}"
-        assert len(df) == 3 * 2  # steps x minibatches
+        rl = cell.config.rl
+        assert len(df) == 3 * rl.minibatches * rl.epochs  # steps x updates per rollout batch
         undocumented = [c for c in df.columns if not _documented(c, table)]
         assert not undocumented, f"columns missing from docs/metrics.md: {undocumented}"
         numeric = df.select_dtypes("number")

@@ -8,10 +8,11 @@ from __future__ import annotations
 from moe_lab.config import TaskConfig
 from moe_lab.tasks.addition import AdditionTask, LongAdditionTask
 from moe_lab.tasks.base import Task, is_eval_prompt, position_score
-from moe_lab.tasks.strings import ReverseTask, SortTask
+from moe_lab.tasks.strings import LongCopyTask, ReverseTask, SortTask
 from moe_lab.tasks.tokenizer import VOCAB, build_tokenizer, encode_response, load_tokenizer, task_tokenizer
 
-TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (SortTask, AdditionTask, ReverseTask, LongAdditionTask)}
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (SortTask, AdditionTask, ReverseTask, LongAdditionTask,
+                                                          LongCopyTask)}
 
 
 def get_task(cfg: TaskConfig, tokenizer=None) -> Task:
@@ -24,5 +25,5 @@ def get_task(cfg: TaskConfig, tokenizer=None) -> Task:
     return TASKS[cfg.name](cfg, tokenizer)
 
 
-__all__ = ["TASKS", "VOCAB", "AdditionTask", "LongAdditionTask", "ReverseTask", "SortTask", "Task",
+__all__ = ["TASKS", "VOCAB", "AdditionTask", "LongAdditionTask", "LongCopyTask", "ReverseTask", "SortTask", "Task",
            "build_tokenizer", "encode_response", "get_task", "load_tokenizer", "task_tokenizer", "is_eval_prompt", "position_score"]

@@ -1,4 +1,4 @@
-"""Tasks over one string: sort its digits, reverse its letters. Prompt ``<L chars>=``, answer L chars."""
+"""Tasks over one string: sort its digits, reverse its letters, copy it many times. Prompt ``<L chars>=``."""
 
 from __future__ import annotations
 
@@ -54,3 +54,24 @@ class ReverseTask(_StringTask):
 
     def answer(self, prompt: str) -> str:
         return self._operand(prompt)[::-1]
+
+
+class LongCopyTask(_StringTask):
+    """Write the `length` letters of the prompt COPIES times: ``abch=`` -> ``abchabch...`` (8 x 4 letters).
+
+    The long-response task: 128 response tokens (+ EOS) at the default length 16, where the
+    training-inference mismatch compounds over the sequence (R3 paper). Copying a block at a fixed offset
+    is what a tiny attention model learns quickly, so the cold start reaches a partial-credit accuracy
+    with room left for RL; exact match needs every one of the 128 letters right.
+    """
+
+    name = "long_copy"
+    alphabet = "abcdefgh"
+    COPIES = 8
+
+    def answer(self, prompt: str) -> str:
+        return self._operand(prompt) * self.COPIES
+
+    @property
+    def response_chars(self) -> int:
+        return self.COPIES * self.length
