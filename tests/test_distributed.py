@@ -86,6 +86,7 @@ def test_two_ranks_give_the_one_rank_table(dp_runs):
                                                              "manifest.json", "metrics.parquet"]
 
 
+@pytest.mark.slow
 def test_other_world_size_is_refused_on_resume(dp_runs):
     config, outs = dp_runs
     proc = torchrun(2, config, outs[1])
