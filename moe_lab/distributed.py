@@ -230,6 +230,8 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
     data, group_metrics = _collect_groups(policy, rollout_policy, ref_model, task, cfg, step, prompts, groups)
     all_groups = _all_gather(group_metrics)
     batch_metrics = combine_metrics([g for per_rank in all_groups for g in per_rank])
+    for k in [k for k in batch_metrics if k.startswith("perf/")]:  # a rank's groups run one after another
+        batch_metrics[k] = max(sum(g[0][k] for g in per_rank) for per_rank in all_groups)
     mask = data.batch.response_mask_BT
     local_rows = []
     for m, idx in enumerate(group_minibatch_rows(groups, cfg.rl.group_size, cfg.rl.minibatches, cfg.seed, step)):
@@ -384,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # FIELD=VALUE may follow --out
     try:
         cfg = load_run_config(args.config, args.overrides)
     except (ValueError, OSError) as exc:

@@ -193,3 +193,10 @@ def test_checkpoint_of_other_world_size_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {"step": 2, "rows": 4})
     with pytest.raises(ConfigError, match="single-process run"):
         _resume_state(tmp_path, None, None, 1)
+
+
+def test_overrides_may_follow_out(tmp_path):
+    from moe_lab.distributed import build_parser, load_run_config
+
+    args = build_parser().parse_intermixed_args([str(write_config(tmp_path)), "--out", "d", "rl.steps=5"])
+    assert args.out == "d" and load_run_config(args.config, args.overrides).rl.steps == 5
