@@ -200,3 +200,46 @@ def test_overrides_may_follow_out(tmp_path):
 
     args = build_parser().parse_intermixed_args([str(write_config(tmp_path)), "--out", "d", "rl.steps=5"])
     assert args.out == "d" and load_run_config(args.config, args.overrides).rl.steps == 5
+
+
+def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0):
+    """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1."""
+    import torch
+
+    from moe_lab.rollout import RolloutBatch
+    from moe_lab.routing import Trace
+    from moe_lab.step import StepData
+
+    g = torch.Generator().manual_seed(seed)
+    S, T = P + N, P + N - 1
+    resp = torch.zeros(G, T, dtype=torch.bool)
+    resp[:, P - 1:] = True
+    ids = torch.randint(3, 9, (G, S), generator=g)
+    trace = Trace(torch.randint(0, 4, (L, G, T, K), generator=g).to(torch.uint8), torch.rand(L, G, T, K, generator=g),
+                  num_experts=4, family="qwen3_moe")
+    batch = RolloutBatch(["p"] * G, ["c"] * G, ids, torch.ones(G, S, dtype=torch.long), resp,
+                         torch.rand(G, T, generator=g), trace, resp.sum(-1))
+    return StepData(batch, torch.rand(G, generator=g), torch.rand(G, generator=g), torch.rand(G, T, generator=g),
+                    trace, trace, {}, 8)
+
+
+def test_joined_groups_keep_every_token_at_its_place():
+    """Groups of other prompt and response lengths: prompts left-padded, responses right-padded, masks off."""
+    from moe_lab.distributed import join_step_data
+
+    parts = [_group_data(3, 4, seed=1), _group_data(5, 2, seed=2)]
+    joined = join_step_data(parts, pad_token_id=0)
+    b = joined.batch
+    assert b.input_ids_BS.shape == (4, 5 + 4) and joined.logp_old_BT.shape == (4, 8)
+    assert joined.old_trace is b.trace and joined.forced_trace is b.trace  # identities update() relies on
+    for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
+        i = r % 2
+        S, T = d.batch.input_ids_BS.shape[1], d.logp_old_BT.shape[1]
+        assert (b.input_ids_BS[r, left:left + S] == d.batch.input_ids_BS[i]).all()
+        assert (b.attention_mask_BS[r, :left] == 0).all()
+        assert (joined.logp_old_BT[r, left:left + T] == d.logp_old_BT[i]).all()
+        assert (b.response_mask_BT[r, left:left + T] == d.batch.response_mask_BT[i]).all()
+        assert b.response_mask_BT[r].sum() == d.batch.response_mask_BT[i].sum()  # padding never counts
+        assert (b.trace.indices[:, r, left:left + T] == d.batch.trace.indices[:, i]).all()
+        pad = b.trace.indices[:, r, :left]
+        assert (pad[..., 0] != pad[..., 1]).all()  # pad positions still hold a valid (distinct) top-k
