@@ -48,13 +48,24 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the experiment's)")
     p.add_argument("--overwrite", action="store_true", help="replace runs whose config differs from this one")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local worker processes (default), or Ray tasks (pip install -e '.[ray]')")
+    p.add_argument("--address", default=None, help="--backend ray: cluster to join, HOST:PORT or auto "
+                                                   "(default: start a local one)")
+    p.add_argument("--max-retries", type=int, default=3, help="--backend ray: reruns of a cell whose node died")
 
 
 def _run(exp: dict, out: str, args) -> int:
-    from moe_lab.runner import run_experiment
+    common = dict(overrides=args.overrides, arms=_csv(args.arms), seeds=_csv(args.seeds, int),
+                  overwrite=args.overwrite, progress=not args.no_progress)
+    if args.backend == "ray":
+        from moe_lab.ray_backend import run_experiment_ray
 
-    statuses = run_experiment(exp, Path(out), jobs=args.jobs, overrides=args.overrides, arms=_csv(args.arms),
-                              seeds=_csv(args.seeds, int), overwrite=args.overwrite, progress=not args.no_progress)
+        statuses = run_experiment_ray(exp, Path(out), address=args.address, max_retries=args.max_retries, **common)
+    else:
+        from moe_lab.runner import run_experiment
+
+        statuses = run_experiment(exp, Path(out), jobs=args.jobs, **common)
     _print_summary(Path(out))
     failed = [r for r, s in statuses.items() if s != "done"]
     if failed:

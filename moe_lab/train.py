@@ -170,3 +170,11 @@ def _progress(steps, enabled: bool, label: str):
     from tqdm.auto import tqdm
 
     return tqdm(steps, desc=label, leave=False)
+
+
+if __name__ == "__main__":  # torchrun [--nproc-per-node N] -m moe_lab.train RUN.yaml --out DIR
+    import sys
+
+    from moe_lab.distributed import main
+
+    sys.exit(main())

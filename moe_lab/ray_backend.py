@@ -1,0 +1,105 @@
+"""``moe-lab run --backend ray``: the cells of an experiment as Ray tasks on a local or existing cluster.
+
+Same rules as the local backend (moe_lab/runner.py), whose plan and workers it reuses: every config is
+validated before any work, finished cells are skipped, unfinished ones resume from their checkpoint, a
+folder of another config is refused unless --overwrite, and cold starts run once per distinct setup
+before the cells. Each cell is one task asking for ``threads`` CPUs (and a GPU when ``model.device`` is
+cuda) that writes its run folder directly under ``--out``: on a cluster, ``--out`` and
+``coldstart.cache_dir`` must be on a filesystem every node sees. A task whose node dies is retried by
+Ray (``max_retries``) and resumes from the run's last checkpoint; writes are atomic, so a half-written
+table never survives. Ray schedules; we add no scheduler of our own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from moe_lab.experiment import Cell, expand
+from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, atomic_write_text
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ValueError("--backend ray needs Ray: pip install -e '.[ray]'") from exc
+    return ray
+
+
+def _resources(cfg) -> dict:
+    return {"num_cpus": cfg.threads, "num_gpus": 1 if cfg.model.device == "cuda" else 0}
+
+
+def connect(address: str | None):
+    """Join the cluster at ``address`` ('auto' or HOST:PORT), or start a local one; keeps an existing one."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        # workers import moe_lab from their own installation; only a local cluster sees this driver's env
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+def progress_line(done: int, running: int, failed: int, total: int) -> str:
+    return f"ray: {done}/{total} done, {running} running or queued, {failed} failed"
+
+
+def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, str]:
+    """A task Ray gave up on (its retries spent on dead nodes): say so in the run's manifest."""
+    from moe_lab.runlog import RunLog
+    from moe_lab.train import run_info
+
+    log = RunLog(run_dir, run_info(cell.config, cell.run_id, cell.arm))
+    log.write_manifest(STATUS_FAILED, f"ray: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return cell.run_id, STATUS_FAILED
+
+
+def run_experiment_ray(exp: dict, out: Path, *, address: str | None = None, overrides: list[str] = (),
+                       arms: list[str] | None = None, seeds: list[int] | None = None, overwrite: bool = False,
+                       max_retries: int = 3, progress: bool = True, echo=print) -> dict[str, str]:
+    """Run all cells as Ray tasks; returns run_id -> status, as runner.run_experiment does."""
+    from moe_lab.runner import _coldstart_worker, _distinct_setups, _preflight, _train_worker, plan, quiet_transformers
+
+    cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
+    quiet_transformers()
+    _preflight(cells)
+    ray = _import_ray()
+    out = Path(out)
+    runs_dir = out / "runs"
+    groups = plan(cells, runs_dir, overwrite=overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "experiment.yaml", yaml.safe_dump(exp, sort_keys=False))
+    todo = groups["new"] + groups["resume"]
+    connect(address)
+    echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
+         f"{len(groups['new'])} new; Ray cluster {address or 'local'} "
+         f"({int(ray.cluster_resources().get('CPU', 0))} CPUs) -> {out}")
+    statuses = {c.run_id: STATUS_DONE for c in groups["done"]}
+    if not todo:
+        return statuses
+    cold = ray.remote(_coldstart_worker)
+    ray.get([cold.options(max_retries=max_retries, **_resources(cfg)).remote(cfg) for cfg in _distinct_setups(todo)])
+    task = ray.remote(_train_worker)
+    pending = {task.options(max_retries=max_retries, **_resources(c.config)).remote(c, str(runs_dir / c.run_id)): c
+               for c in todo}
+    done = failed = 0
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            cell = pending.pop(ready[0])
+            try:
+                run_id, status = ray.get(ready[0])
+            except Exception as exc:  # Ray's errors (node died with no retry left, worker crashed): record
+                run_id, status = _failed_by_ray(cell, runs_dir / cell.run_id, exc)
+            statuses[run_id] = status
+            done, failed = done + (status == STATUS_DONE), failed + (status != STATUS_DONE)
+            say(progress_line(done, len(pending), failed, len(todo)))
+    except KeyboardInterrupt:
+        for ref in pending:  # the runs keep their last checkpoint: the same command resumes them
+            ray.cancel(ref, force=True)
+        raise
+    return statuses
+

@@ -1,0 +1,245 @@
+"""Data-parallel RL under torchrun (gloo, CPU): 2 ranks give the 1-rank table; resume; refusals.
+
+Tolerance: 1 and 2 ranks reorder sums (DDP averages two half-batch gradients, metrics are combined from
+per-rank parts) and run matmuls on other batch shapes, so values agree to float32 rounding: we check
+rtol 1e-5 / atol 1e-8 (measured: <= 1.3e-7 relative on losses, ratios and expert change), and variances,
+whose combination subtracts two nearly equal numbers, with atol 1e-9.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
+from moe_lab.distributed import (check_data_parallel, combine_metrics, group_minibatch_rows, rank_groups,
+                                 _resume_state)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
+# exact combinations (see moe_lab/distributed.py); load_* and logratio_var are rank-averaged approximations
+COMPARED = ["loss", "ratio/token_mean", "ratio/seq_mean", "ratio/extreme_frac", "clip_frac/out_of_range",
+            "clip_frac/seq", "kl/k3", "routing/expert_change", "routing/expert_change_latent", "routing/any_change",
+            "reward/mean", "reward/std", "reward/zero_var_groups", "response/length_mean", "policy/entropy",
+            "optim/grad_norm", "mismatch/k3", "mismatch/expert_change"]
+VARS = ["ratio/token_var", "ratio/seq_var"]
+
+
+def write_config(tmp: Path, *overrides: str) -> Path:
+    data = apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp / 'cache'}", "rl.steps=2", *overrides])
+    validate(from_dict(data))
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def torchrun(nproc: int, config: Path, out: Path, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "moe_lab.train", str(config), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if kw.pop("background", False):
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_same_tables(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    assert len(a) == len(b) > 0
+    assert list(a["update"]) == list(b["update"])
+    for col in COMPARED:
+        np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-5, atol=1e-8,
+                                   err_msg=col)
+    for col in VARS:
+        np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=0, atol=1e-9, err_msg=col)
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp")
+    config = write_config(tmp)
+    outs = {}
+    for n in (1, 2):
+        proc = torchrun(n, config, tmp / f"w{n}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        outs[n] = tmp / f"w{n}"
+    return config, outs
+
+
+def test_two_ranks_give_the_one_rank_table(dp_runs):
+    _, outs = dp_runs
+    one, two = (pd.read_parquet(outs[n] / "metrics.parquet") for n in (1, 2))
+    assert_same_tables(one, two)
+    # the comparison is not vacuous: the policy moved and its routing changed after the first update
+    assert (one["routing/expert_change"] > 0).any() and (one["ratio/token_mean"] != 1).any()
+    for n in (1, 2):
+        assert sorted(p.name for p in outs[n].iterdir()) >= ["checkpoint", "config.yaml", "eval.parquet",
+                                                             "manifest.json", "metrics.parquet"]
+
+
+@pytest.mark.slow
+def test_other_world_size_is_refused_on_resume(dp_runs):
+    config, outs = dp_runs
+    proc = torchrun(2, config, outs[1])
+    assert proc.returncode != 0
+    assert "written by world size 1; resuming it with world size 2" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_of_one_rank_reproduces_the_table(dp_runs, tmp_path):
+    config = write_config(tmp_path, "rl.steps=4", "rl.checkpoint_every=1")
+    whole = tmp_path / "whole"
+    assert torchrun(2, config, whole).returncode == 0
+    run = tmp_path / "killed"
+    proc = torchrun(2, config, run, background=True)
+    state = run / "checkpoint" / "state.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (state.exists() and '"step": 2' in state.read_text()):
+        time.sleep(0.2)
+    assert state.exists(), "no checkpoint appeared"
+    workers = _children_running_moe_lab(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)  # one rank dies: torchrun ends the other and fails
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+    partial = pd.read_parquet(run / "metrics.parquet")
+    assert 0 < len(partial) < 8
+    assert torchrun(2, config, run).returncode == 0
+    a, b = pd.read_parquet(whole / "metrics.parquet"), pd.read_parquet(run / "metrics.parquet")
+    assert_same_tables(a, b)
+    timing = ["run_id", *(c for c in a.columns if c.startswith("perf/"))]
+    # same world size, same seeds: bit-identical apart from timings (and the folder name)
+    pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing))
+
+
+def _children_running_moe_lab(root_pid: int) -> list[int]:
+    """Worker pids under torchrun (its descendants whose command line runs moe_lab.train)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat[1]) == root_pid and "moe_lab.train" in cmd:
+            found.append(int(p.name))
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def test_minibatches_do_not_depend_on_the_split():
+    """Global minibatch m = the same sequences, whether one rank holds all groups or two hold half each."""
+    G, M, n = 4, 2, 4
+    one = group_minibatch_rows(rank_groups(n, 0, 1), G, M, seed=3, step=5)
+    for m in range(M):
+        split = []
+        for rank in range(2):
+            groups = rank_groups(n, rank, 2)
+            rows = group_minibatch_rows(groups, G, M, seed=3, step=5)[m]
+            split += (rows + groups.start * G).tolist()  # local row -> global row
+        assert sorted(split) == sorted(one[m].tolist())
+        assert len(one[m]) == n * G // M
+
+
+def test_combined_metrics_equal_the_whole_batch_ones():
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=k) for k in (3, 7, 5)]  # per-part token values
+    parts = [({"ratio/token_mean": v.mean(), "ratio/token_var": v.var(), "loss": v.sum(), "response/length_max": len(v),
+               "reward/mean": v.mean(), "reward/std": v.std(), "perf/update_s": float(i)}, 2.0, float(len(v)))
+             for i, v in enumerate(x)]
+    out = combine_metrics(parts)
+    allx = np.concatenate(x)
+    assert math.isclose(out["ratio/token_mean"], allx.mean(), rel_tol=1e-12)
+    assert math.isclose(out["ratio/token_var"], allx.var(), rel_tol=1e-12)
+    assert math.isclose(out["loss"], np.mean([v.sum() for v in x]), rel_tol=1e-12)  # sequence-weighted
+    assert out["response/length_max"] == 7 and out["perf/update_s"] == 2.0
+    seq_means = np.array([v.mean() for v in x])  # reward/*: every part is 2 sequences (weights 2, 2, 2)
+    assert math.isclose(out["reward/mean"], seq_means.mean(), rel_tol=1e-12)
+    want_std = math.sqrt(np.mean([v.std() ** 2 + v.mean() ** 2 for v in x]) - seq_means.mean() ** 2)
+    assert math.isclose(out["reward/std"], want_std, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("override, field", [("rl.prompts_per_step=3", "rl.prompts_per_step"),
+                                             ("rl.group_size=3", "rl.group_size"),
+                                             ("rl.loss_agg=token-mean", "rl.loss_agg"),
+                                             ("rl.whiten=batch", "rl.whiten")])
+def test_what_cannot_split_is_refused_in_one_line(override, field):
+    cfg = validate(from_dict(apply_overrides(SMOKE["base"], [override])))
+    with pytest.raises(ConfigError, match=field) as err:
+        check_data_parallel(cfg, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_checkpoint_of_other_world_size_is_refused(monkeypatch, tmp_path):
+    from moe_lab import distributed
+
+    monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {"step": 2, "rows": 4, "world_size": 2})
+    assert _resume_state(tmp_path, None, None, 2)["step"] == 2
+    with pytest.raises(ConfigError, match="world size 2; resuming it with world size 1"):
+        _resume_state(tmp_path, None, None, 1)
+    monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {"step": 2, "rows": 4})
+    with pytest.raises(ConfigError, match="single-process run"):
+        _resume_state(tmp_path, None, None, 1)
+
+
+def test_overrides_may_follow_out(tmp_path):
+    from moe_lab.distributed import build_parser, load_run_config
+
+    args = build_parser().parse_intermixed_args([str(write_config(tmp_path)), "--out", "d", "rl.steps=5"])
+    assert args.out == "d" and load_run_config(args.config, args.overrides).rl.steps == 5
+
+
+def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0):
+    """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1."""
+    import torch
+
+    from moe_lab.rollout import RolloutBatch
+    from moe_lab.routing import Trace
+    from moe_lab.step import StepData
+
+    g = torch.Generator().manual_seed(seed)
+    S, T = P + N, P + N - 1
+    resp = torch.zeros(G, T, dtype=torch.bool)
+    resp[:, P - 1:] = True
+    ids = torch.randint(3, 9, (G, S), generator=g)
+    trace = Trace(torch.randint(0, 4, (L, G, T, K), generator=g).to(torch.uint8), torch.rand(L, G, T, K, generator=g),
+                  num_experts=4, family="qwen3_moe")
+    batch = RolloutBatch(["p"] * G, ["c"] * G, ids, torch.ones(G, S, dtype=torch.long), resp,
+                         torch.rand(G, T, generator=g), trace, resp.sum(-1))
+    return StepData(batch, torch.rand(G, generator=g), torch.rand(G, generator=g), torch.rand(G, T, generator=g),
+                    trace, trace, {}, 8)
+
+
+def test_joined_groups_keep_every_token_at_its_place():
+    """Groups of other prompt and response lengths: prompts left-padded, responses right-padded, masks off."""
+    from moe_lab.distributed import join_step_data
+
+    parts = [_group_data(3, 4, seed=1), _group_data(5, 2, seed=2)]
+    joined = join_step_data(parts, pad_token_id=0)
+    b = joined.batch
+    assert b.input_ids_BS.shape == (4, 5 + 4) and joined.logp_old_BT.shape == (4, 8)
+    assert joined.old_trace is b.trace and joined.forced_trace is b.trace  # identities update() relies on
+    for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
+        i = r % 2
+        S, T = d.batch.input_ids_BS.shape[1], d.logp_old_BT.shape[1]
+        assert (b.input_ids_BS[r, left:left + S] == d.batch.input_ids_BS[i]).all()
+        assert (b.attention_mask_BS[r, :left] == 0).all()
+        assert (joined.logp_old_BT[r, left:left + T] == d.logp_old_BT[i]).all()
+        assert (b.response_mask_BT[r, left:left + T] == d.batch.response_mask_BT[i]).all()
+        assert b.response_mask_BT[r].sum() == d.batch.response_mask_BT[i].sum()  # padding never counts
+        assert (b.trace.indices[:, r, left:left + T] == d.batch.trace.indices[:, i]).all()
+        pad = b.trace.indices[:, r, :left]
+        assert (pad[..., 0] != pad[..., 1]).all()  # pad positions still hold a valid (distinct) top-k
