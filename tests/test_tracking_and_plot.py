@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from moe_lab.cli import main
-from tests.synthetic import PAPER_ARMS, write_experiment, write_reference
+from synthetic import PAPER_ARMS, write_experiment, write_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +69,9 @@ def test_plot_of_an_empty_folder_says_so(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["plot", str(tmp_path / "empty")]) == 1
     assert "no runs to plot" in capsys.readouterr().err
+
+
+def test_fixture_arms_are_the_main_jobs_and_the_plots_know_them():
+    from moe_lab import plots
+
+    assert tuple(PAPER_ARMS) == plots.PAPER_ARMS
