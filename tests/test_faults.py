@@ -136,6 +136,31 @@ def test_second_runner_skips_a_locked_cell_and_the_table_stays_whole(tmp_path, c
     assert len(pd.read_parquet(run_dir / "metrics.parquet")) == steps * minibatches
 
 
+def test_two_concurrent_runners_one_table_and_a_message_from_the_loser(tmp_path, cache):
+    exp = tiny_exp(cache, steps=80)  # long enough to still be running while the second runner plans
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps(exp))
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-m", "moe_lab.cli", "run", str(path), "--out", str(out), "--jobs", "1",
+                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    manifest = out / "runs" / "grpo-s0" / "manifest.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and first.poll() is None and not manifest.exists():
+        time.sleep(0.1)
+    assert first.poll() is None, "the first runner ended before the second could start: raise rl.steps"
+    lines = []
+    second = run_experiment(exp, out, **{**QUIET, "echo": lines.append})
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    assert second["grpo-s0"].startswith("locked"), second
+    assert any(ln.startswith("grpo-s0: locked") and "another runner" in ln for ln in lines), lines
+    table = pd.read_parquet(out / "runs" / "grpo-s0" / "metrics.parquet")
+    assert table["update"].tolist() == list(range(80 * exp["base"]["rl"]["minibatches"]))
+    assert json.loads(manifest.read_text())["status"] == "done"
+    assert checkpoint.read_state(out / "runs" / "grpo-s0" / "checkpoint") is not None
+
+
 def test_a_dead_holders_lock_never_blocks(tmp_path):
     code = ("import sys, time; from moe_lab.runlog import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(60)")
