@@ -246,4 +246,6 @@ class RunLog:
         manifest.pop("traceback", None)  # belongs to the attempt that failed, not to this status
         manifest.update({**self.info, "status": status, "reason": reason, "updated": time.time(),
                          "versions": package_versions(), "git_commit": git_commit(), **extra})
+        if status == STATUS_DONE:  # what a finished run's tables must hold, even once checkpoint/ is trimmed
+            manifest.update(rows=len(self.rows), eval_rows=len(self.eval_rows))
         atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, default=str))

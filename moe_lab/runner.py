@@ -59,13 +59,21 @@ def default_jobs(threads_per_run: int = 1) -> int:
 
 
 def _verified_done(run_dir: Path) -> bool:
-    """A 'done' manifest counts only if the final checkpoint's tables are all there."""
+    """A 'done' manifest counts only if the tables hold what the run committed: the final checkpoint's rows
+    (verified with their digests), or, in a folder trimmed of checkpoint/, the row counts of the manifest."""
     from moe_lab.checkpoint import ResumeError, read_state
+    from moe_lab.runlog import read_rows
 
     try:
-        return read_state(run_dir / "checkpoint") is not None
+        if read_state(run_dir / "checkpoint") is not None:
+            return True
     except ResumeError:
         return False  # resumed: train() refuses with the message naming the file, and the run is not 'done'
+    manifest = read_json(run_dir / "manifest.json")
+    if not (run_dir / "metrics.parquet").exists():
+        return False
+    return all(len(read_rows(run_dir / name)) >= manifest[key]
+               for key, name in (("rows", "metrics.parquet"), ("eval_rows", "eval.parquet")) if key in manifest)
 
 
 def _cell_state(cell: Cell, run_dir: Path) -> str:

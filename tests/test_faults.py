@@ -232,6 +232,22 @@ def test_a_done_run_whose_table_is_gone_is_not_reported_done(tmp_path, cache):
     assert manifest["status"] == "failed" and "metrics.parquet: missing" in manifest["reason"]
 
 
+def test_a_done_run_trimmed_of_its_checkpoint_stays_done(tmp_path, cache):
+    """results/reference ships without checkpoint/ folders: the manifest's row counts vouch for the tables."""
+    import shutil
+
+    exp = tiny_exp(cache)
+    run_experiment(exp, tmp_path / "e", **QUIET)
+    run_dir = tmp_path / "e" / "runs" / "grpo-s0"
+    shutil.rmtree(run_dir / "checkpoint")
+    stamp = (run_dir / "metrics.parquet").stat().st_mtime_ns
+    lines = []
+    assert run_experiment(exp, tmp_path / "e", **{**QUIET, "echo": lines.append}) == {"grpo-s0": "done"}
+    assert "1 done" in lines[0] and (run_dir / "metrics.parquet").stat().st_mtime_ns == stamp
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["rows"] == len(pd.read_parquet(run_dir / "metrics.parquet"))
+
+
 def test_extra_rows_after_the_checkpoint_are_dropped_not_refused(finished, tmp_path):
     """A kill between a table flush and the checkpoint that commits it leaves extra rows: they are redone."""
     cfg, run_dir = finished
