@@ -224,6 +224,13 @@ def _bar(it, desc: str, progress: bool, total: int | None = None):
     return tqdm(it, desc=desc, total=total, disable=not sys.stderr.isatty())
 
 
+def _reason(run_dir: Path) -> str:
+    try:
+        return str(read_json(run_dir / "manifest.json").get("reason", ""))
+    except ValueError as exc:
+        return str(exc)
+
+
 def check_out_dir(out: Path) -> None:
     """--out must be a folder we can create and write into; checked before anything is written."""
     out = Path(out)
@@ -309,6 +316,8 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     for run_id, status in statuses.items():
         if status.startswith(STATUS_LOCKED):
             echo(f"{run_id}: {status}")
+        elif status == STATUS_FAILED:
+            echo(f"{run_id}: failed: {_reason(runs_dir / run_id)}")
     if report_to is not None:
         from moe_lab.tracking import mirror_runs
 

@@ -227,7 +227,9 @@ def test_a_done_run_whose_table_is_gone_is_not_reported_done(tmp_path, cache):
     assert run_experiment(exp, tmp_path / "e", **QUIET) == {"grpo-s0": "done"}
     run_dir = tmp_path / "e" / "runs" / "grpo-s0"
     (run_dir / "metrics.parquet").unlink()
-    assert run_experiment(exp, tmp_path / "e", **QUIET) == {"grpo-s0": "failed"}
+    lines = []
+    assert run_experiment(exp, tmp_path / "e", **{**QUIET, "echo": lines.append}) == {"grpo-s0": "failed"}
+    assert any(ln.startswith("grpo-s0: failed: ResumeError:") and "metrics.parquet: missing" in ln for ln in lines)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "metrics.parquet: missing" in manifest["reason"]
 
