@@ -33,7 +33,7 @@ def check_report_to(name: str) -> None:
                           'pip install -e ".[track]"') from None
 
 
-def _scalars(frame: pd.DataFrame, x: str, prefix: str):
+def _scalars(frame: pd.DataFrame, x: str):
     """(tag, value, step) for every finite numeric value of frame, stepped by column x."""
     if x not in frame.columns:
         return
@@ -42,7 +42,7 @@ def _scalars(frame: pd.DataFrame, x: str, prefix: str):
         for col in numeric:
             value = float(row[col])
             if math.isfinite(value):
-                yield f"{prefix}{col}", value, int(row[x])
+                yield col, value, int(row[x])
 
 
 def mirror_run(run_dir: Path, logdir: Path) -> int:
@@ -51,17 +51,17 @@ def mirror_run(run_dir: Path, logdir: Path) -> int:
 
     run_dir, logdir = Path(run_dir), Path(logdir)
     frames = {}
-    for name, x, prefix in (("metrics.parquet", "update", ""), ("eval.parquet", "step", "")):
+    for name, x in (("metrics.parquet", "update"), ("eval.parquet", "step")):
         if (run_dir / name).exists():
-            frames[name] = (pd.read_parquet(run_dir / name), x, prefix)
+            frames[name] = (pd.read_parquet(run_dir / name), x)
     if not frames:
         return 0
     shutil.rmtree(logdir, ignore_errors=True)
     n = 0
     writer = SummaryWriter(log_dir=str(logdir))
     try:
-        for frame, x, prefix in frames.values():
-            for tag, value, step in _scalars(frame, x, prefix):
+        for frame, x in frames.values():
+            for tag, value, step in _scalars(frame, x):
                 writer.add_scalar(tag, value, step)
                 n += 1
     finally:
