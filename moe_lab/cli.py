@@ -1,8 +1,14 @@
-"""`moe-lab run / reproduce / plot / config`: thin wrappers; the logic lives in importable modules."""
+"""`moe-lab run / reproduce / plot / config`: thin wrappers; the logic lives in importable modules.
+
+Exit codes: 0 all done; 1 some run did not finish (failed, or locked by another runner) or some run could
+not be plotted; 2 bad input (one line on stderr, nothing written); 130 interrupted by Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -37,8 +43,18 @@ def read_experiment(path: str) -> dict:
     return data
 
 
-def _csv(text: str | None, cast=str) -> list | None:
-    return [cast(x) for x in text.split(",") if x.strip()] if text else None
+def _csv(text: str | None, cast=str, flag: str = "") -> list | None:
+    try:
+        return [cast(x) for x in text.split(",") if x.strip()] if text else None
+    except ValueError:
+        raise ConfigError(f"{flag}={text!r}: allowed a comma-separated list of {cast.__name__}") from None
+
+
+def _seeds(text: str | None) -> list[int] | None:
+    seeds = _csv(text, int, "--seeds")
+    if seeds is not None and (not seeds or min(seeds) < 0):
+        raise ConfigError(f"--seeds={text!r}: allowed a comma-separated list of integers >= 0")
+    return seeds
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -53,19 +69,22 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="--backend ray: cluster to join, HOST:PORT or auto "
                                                    "(default: start a local one)")
     p.add_argument("--max-retries", type=int, default=3, help="--backend ray: reruns of a cell whose node died")
+    p.add_argument("--report-to", default=None, metavar="TRACKER",
+                   help="also mirror every metric and eval row to a tracker: tensorboard (event files in "
+                        "OUT/tensorboard/<run_id>; needs the [track] extra)")
 
 
 def _run(exp: dict, out: str, args) -> int:
-    common = dict(overrides=args.overrides, arms=_csv(args.arms), seeds=_csv(args.seeds, int),
-                  overwrite=args.overwrite, progress=not args.no_progress)
+    backend = None
     if args.backend == "ray":
-        from moe_lab.ray_backend import run_experiment_ray
+        from moe_lab.ray_backend import RayCells
 
-        statuses = run_experiment_ray(exp, Path(out), address=args.address, max_retries=args.max_retries, **common)
-    else:
-        from moe_lab.runner import run_experiment
+        backend = RayCells(args.address, args.max_retries)
+    from moe_lab.runner import run_experiment
 
-        statuses = run_experiment(exp, Path(out), jobs=args.jobs, **common)
+    statuses = run_experiment(exp, Path(out), jobs=args.jobs, overrides=args.overrides, arms=_csv(args.arms),
+                              seeds=_seeds(args.seeds), overwrite=args.overwrite, progress=not args.no_progress,
+                              report_to=args.report_to, backend=backend)
     _print_summary(Path(out))
     failed = [r for r, s in statuses.items() if s != "done"]
     if failed:
@@ -83,13 +102,21 @@ def _print_summary(out: Path) -> None:
         print(format_summary(table))
 
 
-def _plot(results: str, out: str | None, formats: str) -> list[Path]:
-    from moe_lab.figures import write_figures
+def _plot(results: str, out: str | None, formats: str) -> int:
+    """Figures of one experiment folder, or of each experiment in a folder of them; exit code.
 
-    paths = write_figures(Path(results), Path(out) if out else None, formats=tuple(_csv(formats)))
+    Non-zero when nothing was plotted or when any run could not be read (after writing what could be).
+    """
+    from moe_lab.figures import plot_folder
+
+    paths, unreadable = plot_folder(Path(results), Path(out) if out else None, formats=formats)
     for p in paths:
         print(f"wrote {p}")
-    return paths
+    for run, why in unreadable:
+        print(f"moe-lab: error: unreadable run {run}: {why}", file=sys.stderr)
+    if not paths and not unreadable:
+        print(f"moe-lab: error: {results}: no runs to plot", file=sys.stderr)
+    return 1 if unreadable or not paths else 0
 
 
 def _config_table() -> str:
@@ -116,7 +143,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted(args, argv: list[str]) -> int:
+    out = getattr(args, "out", None)
+    print(f"\nmoe-lab: interrupted; unfinished runs are marked 'interrupted' in their manifest.json. Resume with:\n"
+          f"  moe-lab {shlex.join(argv)}" + (f"\n(finished runs under {out} are kept)" if out else ""),
+          file=sys.stderr)
+    return 130
+
+
+def _quiet_broken_pipe() -> int:
+    # The reader (e.g. `| head`) went away: no traceback, and no second error when Python flushes at exit.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except KeyboardInterrupt:
+        return _interrupted(_parsed(argv), argv)
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+
+
+def _parsed(argv: list[str]):
+    try:
+        return build_parser().parse_known_args(argv)[0]
+    except SystemExit:
+        return None
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     # FIELD=VALUE overrides may come before or after the options: collect the stray ones here.
     args, extra = parser.parse_known_args(argv)
@@ -130,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
             return _run(read_experiment(args.experiment), args.out, args)
         if args.cmd == "reproduce":
             code = _run(builtin_experiment("paper"), args.out, args)
-            _plot(args.out, None, "png")
-            return code
+            return max(code, _plot(args.out, None, "png"))
         if args.cmd == "plot":
-            return 0 if _plot(args.results, args.out, args.format) else 1
+            return _plot(args.results, args.out, args.format)
         print(_config_table())
         return 0
     except ValueError as exc:  # ConfigError included: bad input gets one line, not a traceback
-        print(f"moe-lab: error: {exc}", file=sys.stderr)
+        print(f"moe-lab: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

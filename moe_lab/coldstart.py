@@ -8,6 +8,10 @@ The result (model + tokenizer, safetensors) lives in ``cache_dir/<key>``, where 
 setting that changes the weights. It is trained in a temporary folder and renamed into place, so a
 reader sees a complete entry or none, and concurrent workers computing the same key agree: the first
 rename wins and the others reuse its entry.
+
+An entry is verified before use (metadata, key, config, tokenizer, every weight tensor readable); a broken
+one is moved aside to ``.broken-*`` and rebuilt with a warning naming it, and the ``.tmp-*`` folders of
+writers that died (same host, process gone) are removed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -177,6 +183,97 @@ def _check_lengths(cfg: RunConfig, task: Task) -> None:
 # --------------------------------------------------------------------------- cache
 
 
+TMP_PREFIX = ".tmp-"
+# .tmp-<key16>-<pid>@<host>-<mkdtemp suffix>: who wrote it, so that the leftovers of dead writers can go
+_TMP_NAME = re.compile(r"^\.tmp-[0-9a-f]{16}-(\d+)@(.*)-[a-z0-9_]+$")
+
+
+def _tmp_prefix(key: str) -> str:
+    return f"{TMP_PREFIX}{key[:16]}-{os.getpid()}@{socket.gethostname()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def clean_dead_tmp(root: Path) -> list[Path]:
+    """Remove .tmp-* folders whose writer (on this host) is gone; returns them. Live writers are left alone."""
+    removed = []
+    if not Path(root).is_dir():
+        return removed
+    for p in Path(root).iterdir():
+        m = _TMP_NAME.match(p.name)
+        if m and p.is_dir() and m.group(2) == socket.gethostname() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def entry_problem(entry: Path, key: str) -> str:
+    """'' when the cache entry is complete and every weight reads back; else what is wrong with it."""
+    import safetensors
+
+    meta_path = entry / META_FILE
+    if not meta_path.is_file():
+        return f"{META_FILE} is missing"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return f"{META_FILE} is not valid JSON"
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        return f"{META_FILE} records key {meta.get('key') if isinstance(meta, dict) else None!r}, not {key}"
+    for name in ("config.json", "tokenizer_config.json"):
+        if not (entry / name).is_file():
+            return f"{name} is missing"
+    weights = sorted(entry.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors weights"
+    index = entry / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError):
+            return f"{index.name} is unreadable"
+        missing = sorted(s for s in shards if not (entry / s).is_file())
+        if missing:
+            return f"weight shard(s) {missing} missing"
+    for path in weights:
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    fh.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - any failure to read back means the entry is unusable
+            return f"{path.name} is unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})"
+    return ""
+
+
+def _move_aside(entry: Path, why: str) -> None:
+    aside = entry.with_name(f".broken-{entry.name[:16]}-{int(time.time())}-{os.getpid()}")
+    try:
+        os.rename(entry, aside)
+    except FileNotFoundError:
+        return  # another worker moved it first
+    warnings.warn(f"cold-start cache entry {entry} is broken ({why}); moved to {aside} and rebuilding it",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _seal(tmp: Path) -> None:
+    """fsync the entry's files, make it readable like any result (mkdtemp makes it 0700)."""
+    from moe_lab.runlog import fsync_path, public_mode
+
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            fsync_path(f)
+    public_mode(tmp, directory=True)
+    fsync_path(tmp)
+
+
 def _publish(tmp: Path, final: Path) -> Path:
     """Rename tmp to final; if another worker got there first, drop ours and reuse theirs."""
     try:
@@ -185,6 +282,10 @@ def _publish(tmp: Path, final: Path) -> Path:
         if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not (final / META_FILE).is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        from moe_lab.runlog import fsync_path
+
+        fsync_path(final.parent)
     return final
 
 
@@ -201,10 +302,14 @@ def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> 
     _check_lengths(cfg, task)
     key, root = cache_key(cfg), cache_root(cfg)
     final = root / key
-    if cache and (final / META_FILE).is_file():
-        return final
+    clean_dead_tmp(root)
+    if cache and final.exists():
+        problem = entry_problem(final, key)
+        if not problem:
+            return final
+        _move_aside(final, problem)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key[:16]}-" if cache else f"uncached-{key[:16]}-"))
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=_tmp_prefix(key) if cache else f"uncached-{key[:16]}-"))
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.model.seed)
@@ -215,6 +320,7 @@ def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> 
         task.tokenizer.save_pretrained(tmp)
         meta.update(format=FORMAT_VERSION, key=key, task=task.name, model_seed=cfg.model.seed)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        _seal(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

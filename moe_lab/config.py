@@ -182,6 +182,9 @@ def resolved_clip(rl: RLConfig) -> tuple[float, float]:
 # --------------------------------------------------------------------------- validation
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -207,8 +210,9 @@ def _check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
         raise ConfigError(f"{name}: expected {tp}, got {value!r}")
     if value is None:
         return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name}={value!r} is out of range: allowed a finite number ({_allowed(meta)})")
+    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        # training is fp32: a larger value is inf there and fails only after the cold start
+        raise ConfigError(f"{name}={value!r} is out of range: allowed a finite float32 number ({_allowed(meta)})")
     bad = (meta.get("choices") and value not in meta["choices"]) \
         or (meta.get("ge") is not None and value < meta["ge"]) or (meta.get("gt") is not None and value <= meta["gt"]) \
         or (meta.get("le") is not None and value > meta["le"]) or (meta.get("lt") is not None and value >= meta["lt"])
@@ -333,12 +337,52 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the base class reports unhashable keys with their position
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(path: str, err: yaml.YAMLError) -> ConfigError:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark is not None else path
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    if "could not determine a constructor" in problem:
+        problem += " (only plain YAML is allowed: tags that build Python objects are refused)"
+    return ConfigError(f"{where}: invalid YAML: {problem}")
+
+
 def load_yaml(path: str) -> dict:
-    """Read YAML with the safe loader: a config from someone else never runs code."""
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
+    """Read YAML with the safe loader: a config from someone else never runs code.
+
+    Refuses, with one line naming the file (and line), a syntax error, a duplicate key, a tag that would build
+    a Python object, an empty file and a top level that is not a mapping.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise _yaml_error(path, err) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    if data is None:
+        raise ConfigError(f"{path}: empty file; expected a mapping (an experiment or a config)")
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
 
 

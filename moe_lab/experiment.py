@@ -72,6 +72,46 @@ def _label(point: dict[str, Any]) -> str:
     return "".join(f"__{k}={_fmt(v)}" for k, v in point.items())
 
 
+def _is_seed(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_shape(exp: Any) -> None:
+    """The experiment's top-level keys have the types expand() needs; one ConfigError naming the key."""
+    if not isinstance(exp, dict):
+        raise ConfigError(f"experiment: expected a mapping with keys {', '.join(TOP_KEYS)}, got {type(exp).__name__}")
+    unknown = set(exp) - set(TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"experiment: unknown key(s) {sorted(map(str, unknown))}; allowed: {', '.join(TOP_KEYS)}")
+    for key in ("name", "description"):
+        if exp.get(key) is not None and not isinstance(exp[key], str):
+            raise ConfigError(f"{key}: expected a string, got {exp[key]!r}")
+    if exp.get("base") is not None and not isinstance(exp["base"], dict):
+        raise ConfigError(f"base: expected a mapping of config fields (e.g. base: {{rl: {{steps: 5}}}}), "
+                          f"got {exp['base']!r}")
+    arms = exp.get("arms")
+    if arms is not None:
+        if not isinstance(arms, dict):
+            raise ConfigError(f"arms: expected a mapping of arm name -> overrides (e.g. arms: {{grpo: {{rl: "
+                              f"{{algo: grpo}}}}}}), got {type(arms).__name__}")
+        for name, spec in arms.items():
+            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+                raise ConfigError(f"arms: arm name {name!r}: allowed a non-empty string without '/' or a leading '.'")
+            if spec is not None and not isinstance(spec, dict):
+                raise ConfigError(f"arms.{name}: expected a mapping of overrides, got {spec!r}")
+            points = (spec or {}).get("_points")
+            if points is not None and not (isinstance(points, list) and points
+                                           and all(isinstance(p, dict) for p in points)):
+                raise ConfigError(f"arms.{name}._points: expected a non-empty list of mappings "
+                                  f"{{dotted.field: value}}, got {points!r}")
+    sweep = exp.get("sweep")
+    if sweep is not None and not isinstance(sweep, dict):
+        raise ConfigError(f"sweep: expected a mapping of dotted.field -> list of values, got {sweep!r}")
+    seeds = exp.get("seeds")
+    if seeds is not None and not (isinstance(seeds, list) and seeds and all(map(_is_seed, seeds))):
+        raise ConfigError(f"seeds: expected a non-empty list of integers >= 0 (e.g. seeds: [0, 1, 2]), got {seeds!r}")
+
+
 def factor_levels(exp: dict) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """The ``factors`` block checked: factor -> [(level label, overrides)] in the order written."""
     spec = exp.get("factors")
@@ -105,9 +145,9 @@ def _factor_points(exp: dict) -> list[tuple[str, dict[str, Any]]]:
 def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = None,
            seeds: list[int] | None = None) -> list[Cell]:
     """All cells of an experiment, validated; command-line overrides apply to every cell, last."""
-    unknown = set(exp) - set(TOP_KEYS)
-    if unknown:
-        raise ConfigError(f"experiment: unknown key(s) {sorted(unknown)}; allowed: {', '.join(TOP_KEYS)}")
+    check_shape(exp)
+    if seeds is not None and not (seeds and all(map(_is_seed, seeds))):
+        raise ConfigError(f"--seeds: expected integers >= 0, got {seeds!r}")
     all_arms = exp.get("arms") or {"default": {}}
     if arms:
         missing = [a for a in arms if a not in all_arms]

@@ -104,3 +104,44 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None,
             fig.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight")
             paths.append(path)
     return paths
+
+
+# --------------------------------------------------------------------------- `moe-lab plot FOLDER`
+
+SKIPPED_RUN = "skipping run "  # the prefix of results.load_runs' warning for an unreadable run
+
+
+def experiment_folders(path: str | Path) -> list[Path]:
+    """[path] when it holds runs (an experiment, runs/ or run folder); else each subfolder that does (a folder
+    of experiments such as results/reference); [] when there are none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a folder; expected an experiment folder or a folder of experiments")
+    if results.find_run_dirs(path):
+        return [path]
+    return [p for p in sorted(path.iterdir()) if p.is_dir() and results.find_run_dirs(p)]
+
+
+def plot_folder(path: str | Path, out_dir: str | Path | None = None,
+                formats: str | Sequence[str] = ("png",)) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Figures of each experiment under path; returns (written paths, [(unreadable run, why)]).
+
+    With several experiments and an out_dir, each gets out_dir/<experiment>. Unreadable runs are reported, not
+    raised: the figures of every readable run are still written.
+    """
+    formats = parse_formats(formats)
+    folders = experiment_folders(path)
+    paths, unreadable = [], []
+    for folder in folders:
+        dest = None if out_dir is None else (Path(out_dir) / folder.name if len(folders) > 1 else Path(out_dir))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            paths += write_figures(folder, dest, formats)
+        for w in caught:
+            text = str(w.message)
+            if text.startswith(SKIPPED_RUN):
+                run, _, why = text[len(SKIPPED_RUN):].partition(": ")
+                unreadable.append((run, why))
+            elif not text.startswith("no readable runs"):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return paths, unreadable

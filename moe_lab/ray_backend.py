@@ -15,10 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import yaml
-
-from moe_lab.experiment import Cell, expand
-from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, atomic_write_text
+from moe_lab.experiment import Cell
+from moe_lab.runlog import STATUS_DONE, STATUS_FAILED
 
 
 def _import_ray():
@@ -56,35 +54,41 @@ def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, 
     return cell.run_id, STATUS_FAILED
 
 
-def run_experiment_ray(exp: dict, out: Path, *, address: str | None = None, overrides: list[str] = (),
-                       arms: list[str] | None = None, seeds: list[int] | None = None, overwrite: bool = False,
-                       max_retries: int = 3, progress: bool = True, echo=print) -> dict[str, str]:
-    """Run all cells as Ray tasks; returns run_id -> status, as runner.run_experiment does."""
-    from moe_lab.runner import _coldstart_worker, _distinct_setups, _preflight, _train_worker, plan, quiet_transformers
+def run_experiment_ray(exp: dict, out: Path, *, address: str | None = None, max_retries: int = 3,
+                       **kwargs) -> dict[str, str]:
+    """runner.run_experiment with its cells run as Ray tasks: the same checks, plan, locks and summary."""
+    from moe_lab.runner import run_experiment
 
-    cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
-    quiet_transformers()
-    _preflight(cells)
-    ray = _import_ray()
-    out = Path(out)
-    runs_dir = out / "runs"
-    groups = plan(cells, runs_dir, overwrite=overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "experiment.yaml", yaml.safe_dump(exp, sort_keys=False))
-    todo = groups["new"] + groups["resume"]
-    connect(address)
-    echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
-         f"{len(groups['new'])} new; Ray cluster {address or 'local'} "
-         f"({int(ray.cluster_resources().get('CPU', 0))} CPUs) -> {out}")
-    statuses = {c.run_id: STATUS_DONE for c in groups["done"]}
-    if not todo:
-        return statuses
-    cold = ray.remote(_coldstart_worker)
-    ray.get([cold.options(max_retries=max_retries, **_resources(cfg)).remote(cfg) for cfg in _distinct_setups(todo)])
-    task = ray.remote(_train_worker)
-    pending = {task.options(max_retries=max_retries, **_resources(c.config)).remote(c, str(runs_dir / c.run_id)): c
-               for c in todo}
-    done = failed = 0
+    return run_experiment(exp, out, backend=RayCells(address, max_retries), **kwargs)
+
+
+class RayCells:
+    """The runner's execution stage on a Ray cluster: cold starts first, then one task per cell."""
+
+    def __init__(self, address: str | None = None, max_retries: int = 3):
+        _import_ray()  # fail before any work when Ray is not installed
+        if not (isinstance(max_retries, int) and max_retries >= 0):
+            raise ValueError(f"--max-retries={max_retries!r}: allowed an integer >= 0")
+        self.address, self.max_retries = address, max_retries
+
+    def describe(self) -> str:
+        ray = connect(self.address)
+        return f"Ray cluster {self.address or 'local'} ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
+
+    def run(self, todo: list[Cell], runs_dir: Path, setups: list, progress: bool) -> dict[str, str]:
+        from moe_lab.runner import _coldstart_worker, _train_worker
+
+        ray = connect(self.address)
+        cold = ray.remote(_coldstart_worker)
+        ray.get([cold.options(max_retries=self.max_retries, **_resources(cfg)).remote(cfg) for cfg in setups])
+        task = ray.remote(_train_worker)
+        pending = {task.options(max_retries=self.max_retries, **_resources(c.config)).remote(c, str(runs_dir / c.run_id)): c
+                   for c in todo}
+        return _wait_all(ray, pending, runs_dir, len(todo), progress)
+
+
+def _wait_all(ray, pending: dict, runs_dir: Path, total: int, progress: bool) -> dict[str, str]:
+    statuses, done, failed = {}, 0, 0
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     try:
         while pending:
@@ -96,10 +100,9 @@ def run_experiment_ray(exp: dict, out: Path, *, address: str | None = None, over
                 run_id, status = _failed_by_ray(cell, runs_dir / cell.run_id, exc)
             statuses[run_id] = status
             done, failed = done + (status == STATUS_DONE), failed + (status != STATUS_DONE)
-            say(progress_line(done, len(pending), failed, len(todo)))
+            say(progress_line(done, len(pending), failed, total))
     except KeyboardInterrupt:
         for ref in pending:  # the runs keep their last checkpoint: the same command resumes them
             ray.cancel(ref, force=True)
         raise
     return statuses
-

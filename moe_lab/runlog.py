@@ -8,14 +8,23 @@ Layout of one run folder::
     eval.parquet       one row per evaluation
     checkpoint/        model.safetensors, optim.pt (tensors only), state.json (the commit marker)
 
-Every write goes to a temporary file first and is renamed into place, so a run killed at any moment
-leaves either the old or the new file, never half of one. Nothing here unpickles: optimizer state is
-loaded with ``weights_only=True`` and configs with the safe YAML loader.
+Every write goes to a temporary file first, is fsynced and renamed into place, and the folder is fsynced,
+so a run killed at any moment (or a machine that loses power) leaves either the old or the new file, never
+half of one. Results are world-readable under the user's umask (0644 files), not mkstemp's 0600. Nothing
+here unpickles: optimizer state is loaded with ``weights_only=True`` and configs with the safe YAML loader.
+
+One writer per run folder: ``RunLock`` holds an advisory ``flock`` on ``<run>/.lock``; the OS releases it
+when the holder dies, so a stale lock never blocks a resume.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
+import math
+import numbers
 import os
 import platform
 import subprocess
@@ -26,7 +35,28 @@ from typing import Any
 
 import pandas as pd
 
-STATUS_DONE, STATUS_RUNNING, STATUS_FAILED = "done", "running", "failed"
+STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "running", "failed", "interrupted"
+LOCK_FILE = ".lock"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def public_mode(path: str | Path, directory: bool = False) -> None:
+    """0644 files / 0755 folders under the umask: mkstemp and mkdtemp create 0600 / 0700."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a folder's entries (the renames into it), to disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -38,7 +68,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        public_mode(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -60,7 +92,10 @@ def atomic_write_parquet(path: Path, rows: list[dict]) -> None:
         # a results table is ~40% of the default size, and reads back identically.
         frame.to_parquet(tmp, index=False, compression="zstd", compression_level=19, use_dictionary=text_columns,
                          write_statistics=False, store_schema=False)
+        fsync_path(tmp)
+        public_mode(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -75,8 +110,76 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def read_json(path: Path) -> dict:
+    """{} for a missing file; a ValueError naming the file for one that is not a JSON mapping."""
     path = Path(path)
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); restore it or delete the run folder") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}; restore it or delete the run folder")
+    return data
+
+
+def _canonical(value: Any) -> str:
+    # Numbers by their float value: a column read back from parquet may come back float where an int was
+    # written (or NaN where None was), and the same rows must give the same digest.
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "null"
+    if isinstance(value, (bool, str)) or not isinstance(value, numbers.Real):
+        return repr(value)
+    f = float(value)
+    return "null" if math.isnan(f) else f.hex()
+
+
+def rows_digest(rows: list[dict]) -> str:
+    """sha256 of rows (order and values; dict order ignored): what a checkpoint commits of a table."""
+    h = hashlib.sha256()
+    for row in rows:
+        h.update("\x1e".join(f"{k}\x1f{_canonical(v)}" for k, v in sorted(row.items())).encode("utf-8"))
+        h.update(b"\x1d")
+    return h.hexdigest()
+
+
+class RunLocked(RuntimeError):
+    """Another process holds the run folder's lock."""
+
+
+class RunLock:
+    """Exclusive advisory lock on a run folder (``flock``, released by the OS when the holder dies)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise RunLocked(f"{self.path.parent} is locked by another runner (pid {holder}); skipped") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self if self.fd is not None else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def git_commit() -> str | None:
@@ -143,4 +246,6 @@ class RunLog:
         manifest.pop("traceback", None)  # belongs to the attempt that failed, not to this status
         manifest.update({**self.info, "status": status, "reason": reason, "updated": time.time(),
                          "versions": package_versions(), "git_commit": git_commit(), **extra})
+        if status == STATUS_DONE:  # what a finished run's tables must hold, even once checkpoint/ is trimmed
+            manifest.update(rows=len(self.rows), eval_rows=len(self.eval_rows))
         atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, default=str))

@@ -2,6 +2,10 @@
 
 Finished cells are skipped, unfinished ones resume from their last checkpoint, and a folder that holds
 a run of a different config is never overwritten unless asked.
+
+Faults: a worker holds its run folder's lock (runlog.RunLock) for the whole run, so a second runner on the
+same --out skips that cell with a message; workers exit when their parent dies (even by SIGKILL), and a
+Ctrl-C stops every worker and marks the unfinished runs ``interrupted`` before KeyboardInterrupt goes on up.
 """
 
 from __future__ import annotations
@@ -9,7 +13,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import tempfile
+import threading
+import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -18,7 +26,12 @@ import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.experiment import Cell, expand
-from moe_lab.runlog import STATUS_DONE, atomic_write_text, config_state, read_json
+from moe_lab.runlog import (STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock, atomic_write_text,
+                            config_state, read_json)
+
+STATUS_LOCKED = "locked"
+EXPERIMENT_FILE = "experiment.yaml"
+PARENT_POLL_S = 0.5
 
 
 def _preflight(cells: list[Cell]) -> None:
@@ -37,7 +50,30 @@ def _distinct_setups(cells: list[Cell]) -> list:
 
 
 def default_jobs(threads_per_run: int = 1) -> int:
-    return max(1, (os.cpu_count() or 1) // max(threads_per_run, 1))
+    """Cores this process may run on (its CPU affinity, not the machine's count) / threads per run."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(threads_per_run, 1))
+
+
+def _verified_done(run_dir: Path) -> bool:
+    """A 'done' manifest counts only if the tables hold what the run committed: the final checkpoint's rows
+    (verified with their digests), or, in a folder trimmed of checkpoint/, the row counts of the manifest."""
+    from moe_lab.checkpoint import ResumeError, read_state
+    from moe_lab.runlog import read_rows
+
+    try:
+        if read_state(run_dir / "checkpoint") is not None:
+            return True
+    except ResumeError:
+        return False  # resumed: train() refuses with the message naming the file, and the run is not 'done'
+    manifest = read_json(run_dir / "manifest.json")
+    if not (run_dir / "metrics.parquet").exists():
+        return False
+    return all(len(read_rows(run_dir / name)) >= manifest[key]
+               for key, name in (("rows", "metrics.parquet"), ("eval_rows", "eval.parquet")) if key in manifest)
 
 
 def _cell_state(cell: Cell, run_dir: Path) -> str:
@@ -45,7 +81,8 @@ def _cell_state(cell: Cell, run_dir: Path) -> str:
     state = config_state(run_dir, dump_yaml(cell.config))
     if state != "same":
         return "conflict" if state == "other" else "new"
-    return "done" if read_json(run_dir / "manifest.json").get("status") == STATUS_DONE else "resume"
+    done = read_json(run_dir / "manifest.json").get("status") == STATUS_DONE
+    return "done" if done and _verified_done(run_dir) else "resume"
 
 
 def plan(cells: list[Cell], runs_dir: Path, *, overwrite: bool) -> dict[str, list[Cell]]:
@@ -81,32 +118,102 @@ def _coldstart_worker(cfg) -> str:
 
 
 def _train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
-    from moe_lab.runlog import RunLog, STATUS_FAILED
+    """(run_id, status); status 'locked' when another runner holds the folder (nothing is written then)."""
+    from moe_lab.runlog import RunLog
     from moe_lab.train import run_info, train
 
     quiet_transformers()
+    run_dir = Path(run_dir)
     try:
-        return cell.run_id, train(cell.config, Path(run_dir), run_id=cell.run_id, arm=cell.arm)
-    except Exception as exc:  # one broken cell must not take the batch down: record it and go on
-        log = RunLog(Path(run_dir), run_info(cell.config, cell.run_id, cell.arm))
-        log.write_manifest(STATUS_FAILED, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        return cell.run_id, STATUS_FAILED
+        lock = RunLock(run_dir).acquire()
+    except RunLocked as exc:
+        return cell.run_id, f"{STATUS_LOCKED}: {exc}"
+    with lock:
+        # The other runner may have finished this cell between our plan and our lock.
+        if read_json(run_dir / "manifest.json").get("status") == STATUS_DONE and _verified_done(run_dir) \
+                and config_state(run_dir, dump_yaml(cell.config)) == "same":
+            return cell.run_id, STATUS_DONE
+        try:
+            return cell.run_id, train(cell.config, run_dir, run_id=cell.run_id, arm=cell.arm)
+        except Exception as exc:  # one broken cell must not take the batch down: record it and go on
+            log = RunLog(run_dir, run_info(cell.config, cell.run_id, cell.arm))
+            log.write_manifest(STATUS_FAILED, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            return cell.run_id, STATUS_FAILED
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Worker: exit at once when the parent is gone (SIGKILLed runners must not leave workers training)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(PARENT_POLL_S)
+
+
+def _worker_init(parent: int) -> None:
+    # Ctrl-C reaches the whole foreground process group: the parent alone handles it (stops the workers
+    # and marks their runs), so a worker neither dies mid-write with a traceback nor races the parent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
 
 
 def _pool(jobs: int) -> ProcessPoolExecutor:
     # spawn, not fork: torch's thread pools do not survive a fork, and workers start clean.
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                               initargs=(os.getpid(),))
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill every worker now (shutdown() alone waits for the running tasks to finish)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # the executor has no public handle
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _run_parallel(fn, items: list[tuple], jobs: int, desc: str, progress: bool) -> list:
     if jobs <= 1 or len(items) <= 1:
         return [fn(*it) for it in _bar(items, desc, progress)]
     results = []
-    with _pool(min(jobs, len(items))) as pool:
+    pool = _pool(min(jobs, len(items)))
+    try:
         futures = [pool.submit(fn, *it) for it in items]
         for fut in _bar(as_completed(futures), desc, progress, total=len(futures)):
             results.append(fut.result())
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
     return results
+
+
+def _mark_interrupted(cells: list[Cell], runs_dir: Path) -> list[str]:
+    """Unfinished runs that had started get manifest status 'interrupted'; returns their ids."""
+    from moe_lab.runlog import RunLog
+    from moe_lab.train import run_info
+
+    marked = []
+    for c in cells:
+        run_dir = runs_dir / c.run_id
+        try:
+            manifest = read_json(run_dir / "manifest.json")
+        except ValueError:
+            continue
+        if not manifest or manifest.get("status") in (STATUS_DONE, STATUS_FAILED):
+            continue
+        try:
+            lock = RunLock(run_dir).acquire()
+        except RunLocked:
+            continue  # another runner's cell: not ours to mark
+        with lock:
+            RunLog(run_dir, run_info(c.config, c.run_id, c.arm)).write_manifest(
+                STATUS_INTERRUPTED, "stopped by the user (SIGINT); rerun the same command to resume")
+        marked.append(c.run_id)
+    return marked
 
 
 def _bar(it, desc: str, progress: bool, total: int | None = None):
@@ -117,25 +224,108 @@ def _bar(it, desc: str, progress: bool, total: int | None = None):
     return tqdm(it, desc=desc, total=total, disable=not sys.stderr.isatty())
 
 
+def _reason(run_dir: Path) -> str:
+    try:
+        return str(read_json(run_dir / "manifest.json").get("reason", ""))
+    except ValueError as exc:
+        return str(exc)
+
+
+def check_out_dir(out: Path) -> None:
+    """--out must be a folder we can create and write into; checked before anything is written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} is a file; expected a folder (existing or to be created)")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out: {parent} is a file, so {out} cannot be created; choose another --out")
+    try:  # os.access lies for root and on read-only mounts: try it
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write in {parent} ({exc.strerror}); choose another --out") from None
+
+
+def _experiment_id(exp: dict) -> str:
+    return str(exp.get("name") or yaml.safe_dump(exp, sort_keys=True))
+
+
+def check_same_experiment(exp: dict, out: Path, *, overwrite: bool) -> bool:
+    """True when out holds another experiment and --overwrite replaces its runs; refuses without it."""
+    path = Path(out) / EXPERIMENT_FILE
+    if not path.exists():
+        return False
+    from moe_lab.config import load_yaml
+
+    old = load_yaml(str(path))
+    if _experiment_id(old) == _experiment_id(exp):
+        return False
+    if not overwrite:
+        raise ConfigError(f"--out: {out} holds experiment {old.get('name', '(unnamed)')!r}, not "
+                          f"{exp.get('name', '(unnamed)')!r}; its summary would mix both: choose another --out "
+                          "or pass --overwrite to replace its runs")
+    return True
+
+
 def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: list[str] = (),
                    arms: list[str] | None = None, seeds: list[int] | None = None, overwrite: bool = False,
-                   progress: bool = True, echo=print) -> dict[str, str]:
-    """Run all cells; returns run_id -> status. Every config is validated before any work starts."""
+                   progress: bool = True, echo=print, report_to: str | None = None, backend=None) -> dict[str, str]:
+    """Run all cells; returns run_id -> status. Every input is validated before anything is written.
+
+    ``backend`` runs the cold starts and cells: None = local worker processes (``jobs`` of them), or an
+    object with ``describe()`` and ``run(todo, runs_dir, setups, progress)`` (ray_backend.RayCells).
+
+    A cell another runner holds gets status 'locked: <why>' and is skipped. On KeyboardInterrupt the
+    workers are stopped, unfinished runs are marked 'interrupted', and the interrupt is re-raised.
+    """
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ConfigError(f"--jobs={jobs!r}: allowed an integer >= 1")
+    if report_to is not None:
+        from moe_lab.tracking import check_report_to
+
+        check_report_to(report_to)
     cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
     quiet_transformers()
     _preflight(cells)
     out = Path(out)
     runs_dir = out / "runs"
-    groups = plan(cells, runs_dir, overwrite=overwrite)
+    check_out_dir(out)
+    replace_other = check_same_experiment(exp, out, overwrite=overwrite)
+    groups = plan(cells, runs_dir, overwrite=overwrite) if not replace_other else {
+        "new": list(cells), "done": [], "resume": []}
+    if replace_other:
+        shutil.rmtree(runs_dir, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "experiment.yaml", yaml.safe_dump(exp, sort_keys=False))
+    atomic_write_text(out / EXPERIMENT_FILE, yaml.safe_dump(exp, sort_keys=False))
     todo = groups["new"] + groups["resume"]
     jobs = jobs or default_jobs(max(c.config.threads for c in cells))
+    where = f"{jobs} worker(s)" if backend is None else backend.describe()
     echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
-         f"{len(groups['new'])} new; {jobs} worker(s) -> {out}")
+         f"{len(groups['new'])} new; {where} -> {out}")
     statuses = {c.run_id: STATUS_DONE for c in groups["done"]}
-    if todo:
-        _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
-        items = [(c, str(runs_dir / c.run_id)) for c in todo]
-        statuses.update(dict(_run_parallel(_train_worker, items, jobs, "runs", progress)))
+    try:
+        if todo and backend is not None:
+            statuses.update(backend.run(todo, runs_dir, _distinct_setups(todo), progress))
+        elif todo:
+            _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start",
+                          progress)
+            items = [(c, str(runs_dir / c.run_id)) for c in todo]
+            statuses.update(dict(_run_parallel(_train_worker, items, jobs, "runs", progress)))
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the bookkeeping short
+        try:
+            _mark_interrupted(todo, runs_dir)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise
+    for run_id, status in statuses.items():
+        if status.startswith(STATUS_LOCKED):
+            echo(f"{run_id}: {status}")
+        elif status == STATUS_FAILED:
+            echo(f"{run_id}: failed: {_reason(runs_dir / run_id)}")
+    if report_to is not None:
+        from moe_lab.tracking import mirror_runs
+
+        mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to)
     return statuses

@@ -14,13 +14,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from moe_lab.config import dump_yaml, from_dict, to_dict, validate
+from moe_lab.config import dump_yaml, from_dict, load_yaml, to_dict, validate
 
-PAPER_ARMS = {"grpo": {"rl": {"algo": "grpo", "replay": "none"}},
-              "grpo_r2": {"rl": {"algo": "grpo", "replay": "old"}},
-              "grpo_r3": {"rl": {"algo": "grpo", "replay": "rollout", "old_logp": "rollout"}},
-              "gspo": {"rl": {"algo": "gspo", "replay": "none"}},
-              "gspo_token": {"rl": {"algo": "gspo_token", "replay": "none"}}}
+# The main job's arms, read from the file `moe-lab reproduce` runs, so the fixtures follow it.
+PAPER_ARMS = load_yaml(str(Path(__file__).resolve().parents[1] / "experiments" / "paper.yaml"))["arms"]
 CLIP_POINTS = {"grpo": [(0.1, 0.13), (0.2, 0.27), (0.4, 0.54)], "gspo": [(1e-4, 1.3e-4), (3e-4, 4e-4), (1e-3, 1.3e-3)]}
 LR_MULTS = (1.0, 10.0, 100.0)
 
