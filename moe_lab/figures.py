@@ -35,8 +35,10 @@ def varies(df: pd.DataFrame, col: str, within: str = "arm_base") -> bool:
     return bool((df.groupby(within)[col].nunique() > 1).any())
 
 
-def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame) -> dict[str, Callable[[], Figure]]:
-    """Name -> builder of every figure these frames support, in FIGURE_NAMES order."""
+def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
+                    design: dict | None = None) -> dict[str, Callable[[], Figure]]:
+    """Name -> builder of every figure these frames support, in FIGURE_NAMES order. ``design``: the
+    experiment as run (its experiment.yaml); a ``factors`` block there makes the folder an atlas."""
     plan: dict[str, Callable[[], Figure]] = {}
     if _has(metrics, "clip_frac/out_of_range", "clip_frac/active"):
         plan["clip_fraction"] = lambda: plots.clip_fraction(metrics)
@@ -57,9 +59,20 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame) -> dict[str, Cal
     # "0/n" collapse rate says the same.
     if _has(metrics, "collapsed_at"):
         plan["survival"] = lambda: plots.survival(metrics)
-    if is_atlas(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
-        plan["atlas"] = lambda: plots.atlas(metrics, evals)
+    atlas = bool((design or {}).get("factors")) or is_atlas(metrics)
+    if atlas and _has(metrics, "ratio/token_var", "routing/expert_change"):
+        plan["atlas"] = lambda: plots.atlas(metrics, evals, design=design)
     return plan
+
+
+def _design(results_dir: Path) -> dict | None:
+    """The experiment.yaml the runner wrote beside runs/, if readable (it only refines the atlas)."""
+    from moe_lab.config import ConfigError, load_yaml
+
+    try:
+        return load_yaml(str(results_dir / "experiment.yaml"))
+    except (OSError, ConfigError):
+        return None
 
 
 def is_atlas(df: pd.DataFrame, reference: str = results.ATLAS_REFERENCE) -> bool:
@@ -90,7 +103,7 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None,
     results_dir = Path(results_dir)
     metrics, evals = results.load_runs(results_dir)
     out_dir = Path(out_dir) if out_dir is not None else results_dir / "figures"
-    plan = planned_figures(metrics, evals) if len(metrics) else {}
+    plan = planned_figures(metrics, evals, _design(results_dir)) if len(metrics) else {}
     paths = []
     for name, build in plan.items():
         try:

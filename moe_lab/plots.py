@@ -391,11 +391,11 @@ ATLAS_ROWS = (("expert_change", "expert change per update\n(last 25% of updates)
 
 @styled
 def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = results.ATLAS_REFERENCE,
-          levels: dict[str, Sequence] | None = None) -> Figure:
+          levels: dict[str, Sequence] | None = None, design: dict | None = None) -> Figure:
     """The stability atlas (results.atlas_table): one column per factor, rows = expert change per update,
     p99 of minibatch token-ratio variance, and the final greedy-accuracy gap to the reference arm at the same
     level; x = the factor's levels (categorical, in level order), one line per base arm."""
-    table = results.atlas_table(metrics_df, eval_df, reference=reference, levels=levels)
+    table = results.atlas_table(metrics_df, eval_df, reference=reference, levels=levels, design=design)
     factors = list(dict.fromkeys(table["factor"]))
     if not factors:
         raise ValueError("atlas: no arm carries a '<arm>__<factor>=<level>' label")

@@ -459,8 +459,33 @@ def level_order(levels: Iterable[str]) -> list[str]:
     return sorted(levels, key=float) if all(map(_is_number, levels)) else levels
 
 
+def with_base_levels(frame: pd.DataFrame, design: dict) -> pd.DataFrame:
+    """Rows of a ``factors`` experiment's shared base cells ('<arm>__base') copied onto every factor's axis,
+    at the level that factor's block marks as the base ({}), so each factor's curve includes the base point."""
+    from moe_lab.experiment import BASE_LABEL, factor_levels
+
+    frame = _with_labels(frame)
+    if not len(frame):
+        return frame
+    is_base = frame["factor"] == BASE_LABEL
+    parts = [frame[~is_base]]
+    for factor, levels in factor_levels(design).items():
+        at = next((label for label, over in levels if not over), None)
+        if at is not None:
+            parts.append(frame[is_base].assign(factor=factor, level=at))
+    return pd.concat(parts, ignore_index=True)
+
+
+def design_levels(design: dict) -> dict[str, list[str]]:
+    """factor -> its level labels in the order the experiment file lists them."""
+    from moe_lab.experiment import factor_levels
+
+    return {factor: [label for label, _ in levels] for factor, levels in factor_levels(design).items()}
+
+
 def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = ATLAS_REFERENCE,
-                last_frac: float = 0.25, levels: dict[str, Sequence] | None = None) -> pd.DataFrame:
+                last_frac: float = 0.25, levels: dict[str, Sequence] | None = None,
+                design: dict | None = None) -> pd.DataFrame:
     """The stability atlas: one row per (factor, level, arm_base) of a one-factor-at-a-time experiment
     (arms labelled '<arm>__<factor>=<level>'), each a mean over that cell's runs (seeds):
 
@@ -471,12 +496,16 @@ def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: s
     - acc_greedy: the final greedy accuracy; acc_gap: acc_greedy minus the ``reference`` arm's at the same
       factor and level (NaN where that cell is missing).
     Also runs and level_index (the level's position in its factor: ``levels[factor]`` if given, else
-    level_order). Rows without a factor label are left out.
+    level_order). Rows without a factor label are left out. ``design``: the experiment (its ``factors``
+    block), whose shared base cells then join every factor at its base level, in the file's level order.
     """
     _check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
     if len(eval_df):
         _check_columns(eval_df, ["arm", "step", "eval/acc_greedy"], "eval_df")
     frames = [_with_labels(f) for f in (metrics_df, eval_df)]
+    if design is not None and design.get("factors"):
+        frames = [with_base_levels(f, design) for f in frames]
+        levels = levels or design_levels(design)
     m, e = (f[f["factor"].notna()] if len(f) else f for f in frames)
     keys = ["factor", "level", "arm_base"]
     run_keys = list(dict.fromkeys([*keys, *_run_keys(m)]))

@@ -318,3 +318,29 @@ def test_atlas_needs_factor_labels_and_sweeps_are_not_atlases(paper, root):
     with pytest.raises(ValueError, match="label"):
         plots.atlas(*paper)
     assert not figures.is_atlas(results.load_runs(root / "volatility_sweep")[0])
+
+
+def test_atlas_of_a_factors_design_puts_the_shared_base_on_every_axis(tmp_path):
+    """An experiment with a `factors` block runs its base point once per arm ('<arm>__base'); the atlas
+    places that run at each factor's base level, in the file's level order."""
+    arms = {}
+    for base in ("grpo", "grpo_r2"):
+        arms[f"{base}__base"] = {"rl": {**PAPER_ARMS[base]["rl"]}}
+        arms[f"{base}__noise=0.1"] = {"rl": {**PAPER_ARMS[base]["rl"], "router_noise": 0.1}}
+        arms[f"{base}__lag=2"] = {"rl": {**PAPER_ARMS[base]["rl"], "router_lr_mult": 10.0}}
+    metrics, evals = results.load_runs(write_experiment(tmp_path / "f", arms, seeds=(0,), steps=4, layers=2))
+    design = {"factors": {"noise": {"0.1": {"rl.router_noise": 0.1}, "0": {}}, "lag": {"0": {}, "2": {"x": 1}}}}
+    table = results.atlas_table(metrics, evals, design=design)
+    assert list(dict.fromkeys(table["factor"])) == ["noise", "lag"]
+    noise = table[table["factor"] == "noise"]
+    assert list(dict.fromkeys(noise["level"])) == ["0.1", "0"]  # the file's order, not numeric
+    alone = results.atlas_table(metrics[metrics["arm"].str.endswith("__base")],
+                                evals[evals["arm"].str.endswith("__base")])
+    for factor, level in (("noise", "0"), ("lag", "0")):  # the base run, wherever it sits
+        at = table[(table["factor"] == factor) & (table["level"] == level)].set_index("arm_base")
+        ref = alone.set_index("arm_base")
+        for col in ("expert_change", "ratio_var_p99", "acc_greedy"):
+            assert at[col].to_dict() == pytest.approx(ref[col].to_dict())
+    assert (table.loc[table["arm_base"] == "grpo_r2", "acc_gap"] == 0).all()
+    fig = plots.atlas(metrics, evals, design=design)
+    assert [ax.get_title() for ax in np.array(fig.axes).reshape(3, 2)[0]] == ["noise", "lag"]
