@@ -115,8 +115,54 @@ CLIP = {
     ],
 }
 
+SHOW_EXPERIMENT = '''\
+def show_experiment(name):
+    """Summary table, reward/accuracy curves and survival of one experiment folder, if it is there."""
+    folder = REFERENCE / name
+    if not (folder / "runs").is_dir():
+        print(f"no {name}/ under {REFERENCE}")
+        return None, None
+    m, e = results.load_runs(folder)
+    print(results.format_summary(results.summarize(m, e)))
+    display(plots.reward_curves(m, e))
+    display(plots.survival(m))
+    return m, e'''
+
+STABILITY = {
+    "title": "# The stability atlas, the instability experiment and the stabilizers\n\n"
+             "Where do the arms separate? The atlas (`experiments/atlas.yaml`) varies one factor at a time "
+             "around the main job's config (one seed per cell); the instability experiment "
+             "(`experiments/instability.yaml`) repeats a chosen setting over 5 seeds; "
+             "`experiments/stabilizers.yaml` puts every published fix in that setting. This notebook only "
+             "reads results (see `results/README.md` for the commands that produce them).",
+    "cells": [
+        ("code", SETUP),
+        ("code", 'from moe_lab.config import load_yaml\n'
+                 'atlas_metrics, atlas_evals = results.load_runs(REFERENCE / "atlas")\n'
+                 'design = load_yaml(str(REFERENCE / "atlas" / "experiment.yaml"))\n'
+                 'print(atlas_metrics["run_id"].nunique(), "atlas runs; factors:", list(design["factors"]))'),
+        ("md", "## The atlas\nPer factor level: the router's own expert change per update (last 25% of updates), "
+               "the p99 of the minibatch token-ratio variance, and each arm's final greedy accuracy minus "
+               "GRPO + R2's at the same level. The base point sits on every factor's axis."),
+        ("code", "plots.atlas(atlas_metrics, atlas_evals, design=design)"),
+        ("code", 'table = results.atlas_table(atlas_metrics, atlas_evals, design=design)\n'
+                 'table.pivot_table(index=["factor", "level"], columns="arm_base", values="acc_gap", sort=False)'),
+        ("md", "## Where GRPO without replay falls furthest behind GRPO + R2\nOne seed per cell: a ranking "
+               "of single runs. Read it as where to look, then check with seeds (next section)."),
+        ("code", 'grpo = table[table["arm_base"] == "grpo"].sort_values("acc_gap")\n'
+                 'grpo[["factor", "level", "expert_change", "ratio_var_p99", "acc_greedy", "acc_gap"]].head(8)'),
+        ("code", 'runs = atlas_metrics.drop_duplicates("run_id")\n'
+                 'runs.loc[runs["collapsed_at"].notna(), ["run_id", "collapsed_at", "collapse_rule"]]'),
+        ("md", "## The instability experiment (5 seeds)"),
+        ("code", SHOW_EXPERIMENT),
+        ("code", 'inst_metrics, inst_evals = show_experiment("instability")'),
+        ("md", "## Every stabilizer in that setting"),
+        ("code", 'stab_metrics, stab_evals = show_experiment("stabilizers")'),
+    ],
+}
+
 NOTEBOOKS = {"01_reproduce_paper_figures.ipynb": PAPER, "02_routing_volatility.ipynb": VOLATILITY,
-             "03_clip_range_sweep.ipynb": CLIP}
+             "03_clip_range_sweep.ipynb": CLIP, "04_stability_atlas.ipynb": STABILITY}
 
 
 def build(spec: dict) -> nbformat.NotebookNode:

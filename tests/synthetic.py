@@ -104,10 +104,30 @@ def volatility_sweep_arms() -> dict[str, dict]:
             for algo in ("grpo", "gspo") for m in LR_MULTS}
 
 
+ATLAS_FACTORS = {"router_lr": {"x1": {}, "x10": {"rl.router_lr_mult": 10.0}},
+                 "noise": {"0": {}, "0.1": {"rl.router_noise": 0.1}}}
+
+
+def atlas_arms() -> dict[str, dict]:
+    """A `factors` design's cells: every arm at the shared base and at each non-base level."""
+    arms = {}
+    for base in ("grpo", "grpo_r2", "grpo_r3", "gspo"):
+        arms[f"{base}__base"] = PAPER_ARMS[base]
+        arms[f"{base}__router_lr=x10"] = _merge(PAPER_ARMS[base], {"rl": {"router_lr_mult": 10.0}})
+        arms[f"{base}__noise=0.1"] = _merge(PAPER_ARMS[base], {"rl": {"router_noise": 0.1}})
+    return arms
+
+
 def write_reference(root: Path, seeds=(0, 1)) -> Path:
-    """A results/reference look-alike: paper/, clip_sweep/, volatility_sweep/."""
+    """A results/reference look-alike: paper/, clip_sweep/, volatility_sweep/, atlas/, instability/,
+    stabilizers/."""
     root = Path(root)
     write_experiment(root / "paper", PAPER_ARMS, seeds)
     write_experiment(root / "clip_sweep", clip_sweep_arms(), seeds, steps=4)
     write_experiment(root / "volatility_sweep", volatility_sweep_arms(), seeds, steps=4)
+    atlas = write_experiment(root / "atlas", atlas_arms(), (0,), steps=4)
+    (atlas / "experiment.yaml").write_text(json.dumps({"name": "atlas", "factors": ATLAS_FACTORS}))
+    write_experiment(root / "instability", PAPER_ARMS, seeds, steps=4)
+    write_experiment(root / "stabilizers", {**PAPER_ARMS, "sapo": {"rl": {"algo": "sapo"}},
+                                            "cispo": {"rl": {"algo": "cispo"}}}, seeds, steps=4)
     return root

@@ -33,8 +33,8 @@ GENERATOR = load_generator()
 NAMES = sorted(GENERATOR.NOTEBOOKS)
 
 
-def test_three_notebooks_match_their_generator_with_outputs_cleared():
-    assert NAMES == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) and len(NAMES) == 3
+def test_four_notebooks_match_their_generator_with_outputs_cleared():
+    assert NAMES == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) and len(NAMES) == 4
     for name, built in GENERATOR.build_all().items():
         on_disk = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(on_disk)
