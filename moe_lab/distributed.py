@@ -11,8 +11,14 @@ The table does not depend on the world size:
 - groups never straddle ranks (advantages are group-local), and minibatch m takes the same G/M responses
   of every group (a seeded per-group shuffle), so each rank holds the same number of sequences in every
   minibatch and DDP's mean of the per-rank seq-mean losses is the global seq-mean loss;
+- every epoch (``rl.epochs``) reshuffles each group under its own seed, so epoch e's minibatch m is also
+  the same sequences on any split; update indices follow step.py (step*epochs*M + epoch*M + m);
 - metrics are combined with the weights that make them the global ones (tokens for token means, sequences
-  for sequence means, law of total variance for variances, max for maxima).
+  for sequence means, law of total variance for variances, max for maxima, ``rollout_corr/ess`` recomputed
+  from each part's weight sums).
+The rest of the run is train.py's, through its helpers: the lag queue of ``rl.rollout_lag`` (every rank
+keeps the same one, the checkpoint saves it), ``rl.train_dtype`` (inside step.update), the collapse rules
+and the manifest's ``collapsed_at`` / ``collapse_rule`` (advanced on the same global rows on every rank).
 Sums are reordered by the split (and matmuls see other batch shapes), so 1 and N ranks agree to float
 rounding (~1e-6 relative), not bit for bit. Refused (one line each): ``rl.loss_agg=token-mean`` (a mean of
 per-rank token means is not the global token mean), ``rl.whiten=batch`` (not group-local), a prompt count
@@ -24,6 +30,7 @@ averaged over ranks: the KL loss term (``kl_mode=loss``), the aux loss, ``routin
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import math
 import os
@@ -39,11 +46,11 @@ from moe_lab import checkpoint
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, dump_yaml, from_dict, load_yaml, validate
 
 SEQ_WEIGHTED = {"loss", "clip_frac/seq", "ratio/seq_mean", "reward/mean", "reward/zero_var_groups",
-                "kl/ref_reward_penalty", "response/length_mean", "routing/aux_loss"}
+                "kl/ref_reward_penalty", "response/length_mean", "routing/aux_loss", "objective/seq_ratio_mean"}
 # variance -> (its mean, weight kind): combined exactly by the law of total variance
 VARIANCES = {"ratio/token_var": ("ratio/token_mean", "tok"), "ratio/seq_var": ("ratio/seq_mean", "seq")}
 STDS = {"reward/std": ("reward/mean", "seq")}
-SAME_ON_ALL_RANKS = {"optim/grad_norm", "optim/lr", "step", "minibatch", "update"}
+SAME_ON_ALL_RANKS = {"optim/grad_norm", "optim/lr", "step", "epoch", "minibatch", "update"}
 
 
 def check_data_parallel(cfg: RunConfig, world: int) -> None:
@@ -75,14 +82,16 @@ def rank_groups(n_prompts: int, rank: int, world: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def group_minibatch_rows(group_indices, group_size: int, minibatches: int, seed: int, step: int) -> list[torch.Tensor]:
+def group_minibatch_rows(group_indices, group_size: int, minibatches: int, seed: int, step: int,
+                         epoch: int = 0) -> list[torch.Tensor]:
     """Row indices (into the rank's batch) of each minibatch: G/M responses of every local group.
 
-    Each group's shuffle is seeded by its global index, so the global minibatch does not depend on the split.
+    Each group's shuffle is seeded by its global index, so the global minibatch does not depend on the split;
+    every epoch (rl.epochs) draws its own shuffle, epoch 0 the one single-epoch runs always drew.
     """
     parts: list[list[torch.Tensor]] = [[] for _ in range(minibatches)]
     for j, gi in enumerate(group_indices):
-        gen = torch.Generator().manual_seed(group_seed(seed, step, gi) + 999_983)
+        gen = torch.Generator().manual_seed(group_seed(seed, step, gi) + 999_983 + epoch * 1_009)
         for m, chunk in enumerate(torch.randperm(group_size, generator=gen).chunk(minibatches)):
             parts[m].append(chunk + j * group_size)
     return [torch.cat(p) for p in parts]
@@ -116,19 +125,24 @@ def _pad_trace(trace, left: int, right: int):
         L, B, _, _ = x.shape
         blocks = [filler.expand(L, B, n, K) for n in (left, right)]
         return torch.cat([blocks[0], x, blocks[1]], dim=2)
-    w = trace.weights
-    return Trace(pad(ids, fill), None if w is None else pad(w, torch.zeros(K, dtype=w.dtype, device=w.device)),
-                 num_experts=trace.num_experts, family=trace.family)
+    w, lp = trace.weights, trace.router_logp_LBTK
+    zeros = torch.zeros(K, dtype=torch.float32, device=ids.device)  # never read either: masked positions
+    return Trace(pad(ids, fill), None if w is None else pad(w, zeros), num_experts=trace.num_experts,
+                 family=trace.family, router_logp=None if lp is None else pad(lp, zeros))
 
 
-def join_step_data(parts: list, pad_token_id: int):
-    """One StepData from the StepData of single prompt groups (left-pad prompts, right-pad responses)."""
+def join_step_data(parts: list, pad_token_id: int, replay: str):
+    """One StepData from the StepData of single prompt groups (left-pad prompts, right-pad responses).
+
+    ``replay``: the run's rl.replay, which decides the forced trace as in step.collect.
+    """
     from moe_lab.rollout import RolloutBatch
     from moe_lab.routing import Trace
     from moe_lab.step import StepData
 
     if len(parts) == 1:
         return parts[0]
+    d0 = parts[0]
     P = [_prompt_len(d.batch.response_mask_BT) for d in parts]
     N = [d.batch.input_ids_BS.shape[1] - p for d, p in zip(parts, P)]
     pads = [(max(P) - p, max(N) - n) for p, n in zip(P, N)]
@@ -143,13 +157,11 @@ def join_step_data(parts: list, pad_token_id: int):
         return Trace.cat([_pad_trace(t, l, r) for t, (l, r) in zip(traces, pads)])
 
     trace = cat_trace(lambda d: d.batch.trace)
-    # keep the identities update() relies on: old_trace / forced_trace may be the rollout trace itself
-    d0 = parts[0]
+    # Keep collect()'s sharing, which update() relies on (`old_trace is forced_trace` under R2): old_trace is
+    # the rollout trace itself with old_logp=rollout, else its own (under R3 a copy carrying the old
+    # router's log-probs); the forced trace is one of the two, chosen by rl.replay as in collect().
     old = trace if d0.old_trace is d0.batch.trace else cat_trace(lambda d: d.old_trace)
-    if d0.forced_trace is None or d0.forced_trace is d0.batch.trace:
-        forced = None if d0.forced_trace is None else trace
-    else:
-        forced = old if d0.forced_trace is d0.old_trace else cat_trace(lambda d: d.forced_trace)
+    forced = {"none": None, "old": old, "rollout": trace}[replay]
     # right padding mimics generate(): pad tokens after EOS with attention 1 (never attended: causal)
     ids = torch.cat([_pad_cols(_pad_cols(d.batch.input_ids_BS, l, 0, pad_token_id), 0, r, pad_token_id)
                      for d, (l, r) in zip(parts, pads)])
@@ -160,8 +172,10 @@ def join_step_data(parts: list, pad_token_id: int):
                          attention_mask_BS=attn, response_mask_BT=cat(lambda d: d.batch.response_mask_BT, False),
                          logp_rollout_BT=cat(lambda d: d.batch.logp_rollout_BT, 0.0), trace=trace,
                          response_len_B=torch.cat([d.batch.response_len_B for d in parts]))
+    # rollout-correction weights are 0 off the response mask (as rollout_correction returns them)
+    is_weights = None if d0.is_weights_BT is None else cat(lambda d: d.is_weights_BT, 0.0)
     return StepData(batch, torch.cat([d.rewards_B for d in parts]), torch.cat([d.adv_B for d in parts]),
-                    cat(lambda d: d.logp_old_BT, 0.0), old, forced, {}, parts[0].norm_len)
+                    cat(lambda d: d.logp_old_BT, 0.0), old, forced, {}, d0.norm_len, is_weights)
 
 
 # ----------------------------------------------------------------------------- metrics across parts
@@ -186,6 +200,8 @@ def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
             kind = "seq" if k in SEQ_WEIGHTED else VARIANCES.get(k, STDS.get(k, (None, "tok")))[1]
             w = [p[1] if kind == "seq" else p[2] for p in parts]
             out[k] = _weighted_mean(vals, w)
+    if "rollout_corr/ess" in out:
+        out["rollout_corr/ess"] = _combined_ess(parts)
     for table, is_std in ((VARIANCES, False), (STDS, True)):
         for k, (mean_key, kind) in table.items():
             if k in out and mean_key in out:
@@ -194,6 +210,22 @@ def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
                 var = max(_weighted_mean(second, w) - out[mean_key] ** 2, 0.0)
                 out[k] = math.sqrt(var) if is_std else var
     return out
+
+
+def _combined_ess(parts: list[tuple[dict, float, float]]) -> float:
+    """ESS = (sum w)^2 / (n sum w^2) of the whole batch, exactly, from each part's weight mean, ESS and tokens.
+
+    A part's sums are recovered as S = mean * n and Q = S^2 / (n ESS) (Q = 0 when its ESS is 0: all its
+    weights are 0), so no extra gather is needed.
+    """
+    S = Q = N = 0.0
+    for metrics, _, n in parts:
+        if n <= 0:
+            continue
+        s_i, ess_i = metrics["rollout_corr/weight_mean"] * n, metrics["rollout_corr/ess"]
+        S, N = S + s_i, N + n
+        Q += s_i * s_i / (n * ess_i) if ess_i > 0 else 0.0
+    return S * S / (N * Q) if Q > 0 else 0.0
 
 
 def _weighted_mean(vals: list[float], w: list[float]) -> float:
@@ -217,7 +249,7 @@ def _collect_groups(policy, rollout_policy, ref_model, task, cfg: RunConfig, ste
         parts.append(data)
         group_metrics.append((data.batch_metrics, float(cfg.rl.group_size),
                               float(data.batch.response_mask_BT.sum())))
-    return join_step_data(parts, task.tokenizer.pad_token_id), group_metrics
+    return join_step_data(parts, task.tokenizer.pad_token_id, cfg.rl.replay), group_metrics
 
 
 def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int,
@@ -234,9 +266,9 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
         batch_metrics[k] = max(sum(g[0][k] for g in per_rank) for per_rank in all_groups)
     mask = data.batch.response_mask_BT
     local_rows = []
-    for m, idx in enumerate(group_minibatch_rows(groups, cfg.rl.group_size, cfg.rl.minibatches, cfg.seed, step)):
-        metrics = update(ddp_policy, ref_model, optimizer, data, idx, cfg, step, first_update + m)
-        local_rows.append((metrics, float(len(idx)), float(mask[idx].sum())))
+    for epoch, m, u, idx in _schedule(groups, cfg, step, first_update):
+        metrics = update(ddp_policy, ref_model, optimizer, data, idx, cfg, step, u)
+        local_rows.append(((epoch, m, u), (metrics, float(len(idx)), float(mask[idx].sum()))))
         if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
             break
     all_rows = _all_gather(local_rows)
@@ -244,11 +276,20 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
     wall = time.perf_counter() - t0
     tokens = sum(g[2] for per_rank in all_groups for g in per_rank)
     rows = []
-    for m in range(n_updates):
-        metrics = combine_metrics([r[m] for r in all_rows])
-        rows.append({"step": step, "minibatch": m, "update": first_update + m, **batch_metrics, **metrics,
+    for i in range(n_updates):
+        (epoch, m, u), _ = all_rows[0][i]
+        metrics = combine_metrics([r[i][1] for r in all_rows])
+        rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics,
                      "perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
     return rows
+
+
+def _schedule(groups: range, cfg: RunConfig, step: int, first_update: int):
+    """(epoch, minibatch, update index, local rows) of every update of one step, in step._schedule's order."""
+    rl = cfg.rl
+    for epoch in range(rl.epochs):
+        for m, idx in enumerate(group_minibatch_rows(groups, rl.group_size, rl.minibatches, cfg.seed, step, epoch)):
+            yield epoch, m, first_update + epoch * rl.minibatches + m, idx
 
 
 def _all_gather(obj) -> list:
@@ -296,7 +337,7 @@ def _on_rank0_first(fn):
 def _resume_state(run_dir: Path, policy, optimizer, world: int) -> dict:
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer)
     if state is None:
-        return {"step": 0, "rows": 0, "eval_rows": 0, "zero_reward_steps": 0, "wall_s": 0.0, "world_size": world}
+        return {"step": 0, "rows": 0, "eval_rows": 0, "wall_s": 0.0, "world_size": world}
     saved = state.get("world_size")
     if saved != world:
         what = "a single-process run" if saved is None else f"world size {saved}"
@@ -326,39 +367,51 @@ def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str 
     ddp_policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=device_ids,
                                                            find_unused_parameters=True)
     ddp_policy.train(False)
+    # every rank reads the lag queue of the shared checkpoint: ranks hold the same weights, hence the same queue
+    lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
     log = RunLog(run_dir, T.run_info(cfg, run_id, arm)) if rank == 0 else None
     if log:
         log.load(state["rows"], state["eval_rows"])
-        log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"], world_size=world)
+    # the health after the logged rows: only rank 0 holds them; from then on every rank advances it on the
+    # same global rows, so all ranks stop at the same step
+    health_box = [T._health(cfg, log) if log else None]
+    dist.broadcast_object_list(health_box, src=0)
+    run_health = health_box[0]
+    if log:
+        log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"], world_size=world, **run_health.manifest())
     reason = _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir,
-                   rank, world)
+                   rank, world, lagged, run_health)
     status = STATUS_FAILED if reason else STATUS_DONE
     if log:
         log.flush()
-        log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"], world_size=world)
+        log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"], world_size=world,
+                           **T._health(cfg, log).manifest())
     dist.barrier()
     return status
 
 
 def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state: dict, run_dir: Path,
-          rank: int, world: int) -> str:
+          rank: int, world: int, lagged: collections.deque, run_health) -> str:
+    """train._loop's step loop over the process group (same lag queue, health rules and checkpoints)."""
     from moe_lab import train as T
+    from moe_lab.step import updates_per_step
 
     eval_prompts = task.eval_prompts()
     for step in range(state["step"], cfg.rl.steps):
         t0 = time.perf_counter()
         if log and step % cfg.rl.eval_every == 0:
             log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, step))
-        T._sync_rollout_policy(policy, rollout_policy)
+        snapshot = T._snapshot(policy) if cfg.rl.rollout_lag else None
+        T._sync_rollout_policy(policy, rollout_policy, lagged)
         rows = dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg, step,
-                       T.step_prompts(task, cfg, step), step * cfg.rl.minibatches, rank, world)
+                       T.step_prompts(task, cfg, step), step * updates_per_step(cfg), rank, world)
+        T._push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
         state["wall_s"] += time.perf_counter() - t0
         if log:
             for r in rows:
                 log.add({**r, "perf/wall_s": state["wall_s"]})
-        state["zero_reward_steps"] = state["zero_reward_steps"] + 1 if rows[0]["reward/mean"] == 0 else 0
         state["step"] = step + 1
-        reason = T._failure(rows, state["zero_reward_steps"])  # same rows on every rank: all stop together
+        reason, run_health = T._failure(rows, run_health, cfg.rl)  # same rows on every rank: all stop together
         if reason:
             return reason
         if state["step"] % cfg.rl.checkpoint_every == 0 or state["step"] == cfg.rl.steps:
@@ -366,7 +419,7 @@ def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, l
                 if state["step"] == cfg.rl.steps:
                     log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, state["step"]))
                 state["rows"], state["eval_rows"] = log.flush()
-                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state)
+                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state, snapshots=list(lagged))
             dist.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
     return ""
 

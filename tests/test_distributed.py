@@ -2,12 +2,14 @@
 
 Tolerance: 1 and 2 ranks reorder sums (DDP averages two half-batch gradients, metrics are combined from
 per-rank parts) and run matmuls on other batch shapes, so values agree to float32 rounding: we check
-rtol 1e-5 / atol 1e-8 (measured: <= 1.3e-7 relative on losses, ratios and expert change), and variances,
-whose combination subtracts two nearly equal numbers, with atol 1e-9.
+rtol 1e-5 / atol 1e-8 (measured: <= 1.3e-7 relative on losses, ratios and expert change; <= 7e-6 on
+routing/router_shift, a mean of |differences| of nearly equal router log-probs, in the epochs/TIS/RSPO case),
+and variances, whose combination subtracts two nearly equal numbers, with atol 1e-9 (measured <= 3e-10).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -21,6 +23,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from moe_lab import health
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
 from moe_lab.distributed import (check_data_parallel, combine_metrics, group_minibatch_rows, rank_groups,
                                  _resume_state)
@@ -33,6 +36,15 @@ COMPARED = ["loss", "ratio/token_mean", "ratio/seq_mean", "ratio/extreme_frac", 
             "reward/mean", "reward/std", "reward/zero_var_groups", "response/length_mean", "policy/entropy",
             "optim/grad_norm", "mismatch/k3", "mismatch/expert_change"]
 VARS = ["ratio/token_var", "ratio/seq_var"]
+# compared where the run logs them: RSPO's gamma, rollout correction, router shift
+OPTIONAL = ["routing/router_shift", "routing/layer_0/router_shift", "routing/layer_1/router_shift",
+            "objective/rspo_gamma_mean", "objective/rspo_floor_frac", "rollout_corr/weight_mean",
+            "rollout_corr/weight_max", "rollout_corr/truncated_frac", "rollout_corr/masked_frac", "rollout_corr/ess"]
+# the new columns' paths: stale epochs, a lagged bf16 rollout corrected by TIS, R3 (old trace = a copy of the
+# rollout trace carrying the old router log-probs), RSPO's router-shift weight
+CASES = {"default": (), "epochs_tis_rspo": ("rl.epochs=2", "rl.rollout_correction=tis_token",
+                                            "rl.rollout_dtype=bfloat16", "rl.algo=rspo", "rl.replay=rollout",
+                                            "rl.rollout_lag=1")}
 
 
 def write_config(tmp: Path, *overrides: str) -> Path:
@@ -55,40 +67,50 @@ def torchrun(nproc: int, config: Path, out: Path, **kw) -> subprocess.CompletedP
 
 def assert_same_tables(a: pd.DataFrame, b: pd.DataFrame) -> None:
     assert len(a) == len(b) > 0
-    assert list(a["update"]) == list(b["update"])
-    for col in COMPARED:
+    assert list(a["update"]) == list(b["update"]) and list(a["epoch"]) == list(b["epoch"])
+    for col in COMPARED + [c for c in OPTIONAL if c in a.columns]:
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-5, atol=1e-8,
                                    err_msg=col)
     for col in VARS:
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=0, atol=1e-9, err_msg=col)
 
 
-@pytest.fixture(scope="module")
-def dp_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dp")
-    config = write_config(tmp)
+@pytest.fixture(scope="module", params=list(CASES))
+def dp_runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"dp_{request.param}")
+    config = write_config(tmp, *CASES[request.param])
     outs = {}
     for n in (1, 2):
         proc = torchrun(n, config, tmp / f"w{n}")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         outs[n] = tmp / f"w{n}"
-    return config, outs
+    return config, outs, request.param
 
 
 def test_two_ranks_give_the_one_rank_table(dp_runs):
-    _, outs = dp_runs
+    _, outs, case = dp_runs
     one, two = (pd.read_parquet(outs[n] / "metrics.parquet") for n in (1, 2))
     assert_same_tables(one, two)
     # the comparison is not vacuous: the policy moved and its routing changed after the first update
-    assert (one["routing/expert_change"] > 0).any() and (one["ratio/token_mean"] != 1).any()
+    assert (one["routing/expert_change_latent"] > 0).any() and (one["ratio/token_mean"] != 1).any()
+    assert (one["routing/router_shift"] > 0).any()
+    if "rl.epochs=2" in CASES[case]:
+        assert set(one["epoch"]) == {0, 1} and one["update"].tolist() == list(range(len(one)))
+        assert (one["rollout_corr/weight_mean"] != 1).any() and (one["objective/rspo_gamma_mean"] < 1).any()
     for n in (1, 2):
         assert sorted(p.name for p in outs[n].iterdir()) >= ["checkpoint", "config.yaml", "eval.parquet",
                                                              "manifest.json", "metrics.parquet"]
+    # the health rules of train.py, on the global rows: the same verdict in the manifest, 1 or 2 ranks
+    manifests = [json.loads((outs[n] / "manifest.json").read_text()) for n in (1, 2)]
+    health_now = health.replay(health.CollapseParams.from_config(validate(from_dict(SMOKE["base"])).rl),
+                               one.to_dict("records")).manifest()
+    for m in manifests:
+        assert m["status"] == "done" and {k: m[k] for k in health_now} == health_now
 
 
 @pytest.mark.slow
 def test_other_world_size_is_refused_on_resume(dp_runs):
-    config, outs = dp_runs
+    config, outs, _ = dp_runs
     proc = torchrun(2, config, outs[1])
     assert proc.returncode != 0
     assert "written by world size 1; resuming it with world size 2" in proc.stderr + proc.stdout
@@ -96,7 +118,8 @@ def test_other_world_size_is_refused_on_resume(dp_runs):
 
 @pytest.mark.slow
 def test_resume_after_sigkill_of_one_rank_reproduces_the_table(dp_runs, tmp_path):
-    config = write_config(tmp_path, "rl.steps=4", "rl.checkpoint_every=1")
+    # with rl.rollout_lag the checkpoint carries the lag queue that every rank reloads
+    config = write_config(tmp_path, *CASES[dp_runs[2]], "rl.steps=4", "rl.checkpoint_every=1")
     whole = tmp_path / "whole"
     assert torchrun(2, config, whole).returncode == 0
     run = tmp_path / "killed"
@@ -112,7 +135,7 @@ def test_resume_after_sigkill_of_one_rank_reproduces_the_table(dp_runs, tmp_path
     proc.wait(timeout=120)
     assert proc.returncode != 0
     partial = pd.read_parquet(run / "metrics.parquet")
-    assert 0 < len(partial) < 8
+    assert 0 < len(partial) < len(pd.read_parquet(whole / "metrics.parquet"))
     assert torchrun(2, config, run).returncode == 0
     a, b = pd.read_parquet(whole / "metrics.parquet"), pd.read_parquet(run / "metrics.parquet")
     assert_same_tables(a, b)
@@ -172,6 +195,28 @@ def test_combined_metrics_equal_the_whole_batch_ones():
     assert math.isclose(out["reward/std"], want_std, rel_tol=1e-12)
 
 
+def test_combined_ess_equals_the_whole_batch_ess():
+    """rollout_corr/ess is not a mean: it is recombined exactly from each part's weight mean, ESS and tokens."""
+    import torch
+
+    from moe_lab.rollout_correction import rollout_correction
+
+    g = torch.Generator().manual_seed(0)
+    mask_BT = torch.rand(6, 9, generator=g) > 0.3
+    old_BT, roll_BT = -torch.rand(6, 9, generator=g) * 3, -torch.rand(6, 9, generator=g) * 3
+    _, whole = rollout_correction(old_BT, roll_BT, mask_BT, mode="tis_token")
+    parts = []
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        _, m = rollout_correction(old_BT[rows], roll_BT[rows], mask_BT[rows], mode="tis_token")
+        parts.append(({k: float(v) for k, v in m.items()}, 1.0, float(mask_BT[rows].sum())))
+    out = combine_metrics(parts)
+    for key in ("rollout_corr/ess", "rollout_corr/weight_mean", "rollout_corr/weight_max",
+                "rollout_corr/truncated_frac"):
+        assert math.isclose(out[key], float(whole[key]), rel_tol=1e-6), key
+    assert not math.isclose(out["rollout_corr/ess"], np.mean([p[0]["rollout_corr/ess"] for p in parts]),
+                            rel_tol=1e-3)  # a plain mean would be wrong here
+
+
 @pytest.mark.parametrize("override, field", [("rl.prompts_per_step=3", "rl.prompts_per_step"),
                                              ("rl.group_size=3", "rl.group_size"),
                                              ("rl.loss_agg=token-mean", "rl.loss_agg"),
@@ -202,8 +247,12 @@ def test_overrides_may_follow_out(tmp_path):
     assert args.out == "d" and load_run_config(args.config, args.overrides).rl.steps == 5
 
 
-def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0):
-    """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1."""
+def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0, old_copy: bool = False):
+    """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1.
+
+    old_copy: as collect() under old_forward + R3: old_trace is a copy of the rollout trace carrying the old
+    router's log-probs, the forced trace the rollout trace itself, and rollout-correction weights are set.
+    """
     import torch
 
     from moe_lab.rollout import RolloutBatch
@@ -219,8 +268,12 @@ def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 
                   num_experts=4, family="qwen3_moe")
     batch = RolloutBatch(["p"] * G, ["c"] * G, ids, torch.ones(G, S, dtype=torch.long), resp,
                          torch.rand(G, T, generator=g), trace, resp.sum(-1))
+    old, is_weights_BT = trace, None
+    if old_copy:
+        old = trace.with_router_logp(-torch.rand(L, G, T, K, generator=g))
+        is_weights_BT = torch.where(resp, torch.rand(G, T, generator=g) + 0.5, torch.zeros(G, T))
     return StepData(batch, torch.rand(G, generator=g), torch.rand(G, generator=g), torch.rand(G, T, generator=g),
-                    trace, trace, {}, 8)
+                    old, trace, {}, 8, is_weights_BT)
 
 
 def test_joined_groups_keep_every_token_at_its_place():
@@ -228,7 +281,7 @@ def test_joined_groups_keep_every_token_at_its_place():
     from moe_lab.distributed import join_step_data
 
     parts = [_group_data(3, 4, seed=1), _group_data(5, 2, seed=2)]
-    joined = join_step_data(parts, pad_token_id=0)
+    joined = join_step_data(parts, pad_token_id=0, replay="rollout")
     b = joined.batch
     assert b.input_ids_BS.shape == (4, 5 + 4) and joined.logp_old_BT.shape == (4, 8)
     assert joined.old_trace is b.trace and joined.forced_trace is b.trace  # identities update() relies on
@@ -243,3 +296,23 @@ def test_joined_groups_keep_every_token_at_its_place():
         assert (b.trace.indices[:, r, left:left + T] == d.batch.trace.indices[:, i]).all()
         pad = b.trace.indices[:, r, :left]
         assert (pad[..., 0] != pad[..., 1]).all()  # pad positions still hold a valid (distinct) top-k
+
+
+@pytest.mark.parametrize("replay", ["none", "old", "rollout"])
+def test_joined_groups_keep_router_logp_and_rollout_weights(replay):
+    """R3's old trace is a copy carrying router log-probs, not the rollout trace: both are joined, each at
+    its place; the forced trace follows rl.replay; rollout-correction weights are joined and 0 on padding."""
+    from moe_lab.distributed import join_step_data
+
+    parts = [_group_data(3, 4, seed=1, old_copy=True), _group_data(5, 2, seed=2, old_copy=True)]
+    joined = join_step_data(parts, pad_token_id=0, replay=replay)
+    b = joined.batch
+    assert joined.old_trace is not b.trace and b.trace.router_logp_LBTK is None
+    assert joined.forced_trace is {"none": None, "old": joined.old_trace, "rollout": b.trace}[replay]
+    assert joined.is_weights_BT.shape == joined.logp_old_BT.shape
+    for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
+        i, T = r % 2, d.logp_old_BT.shape[1]
+        assert (joined.old_trace.router_logp_LBTK[:, r, left:left + T] == d.old_trace.router_logp_LBTK[:, i]).all()
+        assert (joined.old_trace.indices[:, r, left:left + T] == d.old_trace.indices[:, i]).all()
+        assert (joined.is_weights_BT[r, left:left + T] == d.is_weights_BT[i]).all()
+        assert (joined.is_weights_BT[r][~b.response_mask_BT[r]] == 0).all()

@@ -76,12 +76,15 @@ def test_bf16_rollout_against_fp32_training_on_cuda(tmp_path):
 
 def test_data_parallel_run_on_one_gpu_with_nccl(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(cuda_config(tmp_path, "rl.steps=2")), encoding="utf-8")
+    # the off-policy and precision knobs too: bf16 autocast under DDP, stale epochs, lagged rollouts
+    config.write_text(yaml.safe_dump(cuda_config(tmp_path, "rl.steps=2", "rl.epochs=2", "rl.train_dtype=bfloat16",
+                                                 "rl.rollout_lag=1")), encoding="utf-8")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
            "moe_lab.train", str(config), "--out", str(tmp_path / "dp")]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     df = pd.read_parquet(tmp_path / "dp" / "metrics.parquet")
-    assert len(df) == 2 * SMOKE["base"]["rl"]["minibatches"] and df["loss"].map(math.isfinite).all()
+    assert len(df) == 2 * 2 * SMOKE["base"]["rl"]["minibatches"] and df["loss"].map(math.isfinite).all()
+    assert df["update"].tolist() == list(range(len(df))) and set(df["epoch"]) == {0, 1}
     assert json.loads((tmp_path / "dp" / "manifest.json").read_text())["world_size"] == 1
