@@ -20,6 +20,7 @@ value-clamped to [-10, 10] as in verl (its exponent is clamped to +-20 against o
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -82,6 +83,11 @@ def _check_mask(mask_BT, shape: tuple[int, ...], allow_empty_rows: bool) -> None
             raise ValueError(f"mask_BT rows {empty[:8]} have no response token (allowed: >= 1 per row)")
 
 
+def _real(x) -> bool:
+    """A real number of any kind (Python, NumPy scalar), not a bool: what callers pass as bounds."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len) -> None:
     if algo not in OBJECTIVES:
         raise ValueError(f"algo must be one of {ALL_ALGOS}, got {algo!r}")
@@ -89,17 +95,17 @@ def _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len) -
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
     low_max = OBJECTIVES[algo].clip_low_max
     if low_max == math.inf:  # cispo (ratios >= 0: clip_low >= 1 = no lower bound), gmpo/rspo (log space)
-        if not (isinstance(clip_low, (int, float)) and 0.0 <= clip_low < math.inf):
+        if not (_real(clip_low) and 0.0 <= clip_low < math.inf):
             raise ValueError(f"clip_low must be a finite float >= 0 for algo={algo!r}, got {clip_low!r}")
-    elif not (isinstance(clip_low, (int, float)) and 0.0 <= clip_low < low_max):
+    elif not (_real(clip_low) and 0.0 <= clip_low < low_max):
         raise ValueError(f"clip_low must be a float with 0 <= clip_low < 1, got {clip_low!r}")
     if dual_clip_c is not None and not OBJECTIVES[algo].dual_clip:
         raise ValueError(f"dual_clip_c applies to the PPO-clip algos {ALGOS} only, not algo={algo!r}: pass None")
-    if not (isinstance(clip_high, (int, float)) and 0.0 <= clip_high < math.inf):
+    if not (_real(clip_high) and 0.0 <= clip_high < math.inf):
         raise ValueError(f"clip_high must be a finite float >= 0, got {clip_high!r}")
-    if dual_clip_c is not None and not (isinstance(dual_clip_c, (int, float)) and 1.0 < dual_clip_c < math.inf):
+    if dual_clip_c is not None and not (_real(dual_clip_c) and 1.0 < dual_clip_c < math.inf):
         raise ValueError(f"dual_clip_c must be None or a finite float > 1, got {dual_clip_c!r}")
-    if norm_len is not None and not (isinstance(norm_len, (int, float)) and 0 < norm_len < math.inf):
+    if norm_len is not None and not (_real(norm_len) and 0 < norm_len < math.inf):
         raise ValueError(f"norm_len must be None or a finite number > 0, got {norm_len!r}")
 
 
@@ -138,7 +144,7 @@ def aggregate_loss(
         raise ValueError(
             f"loss_BT and mask_BT must have the same (B, T) shape, got {_shape(loss_BT)} and {_shape(mask_BT)}"
         )
-    if norm_len is not None and not (isinstance(norm_len, (int, float)) and 0 < norm_len < math.inf):
+    if norm_len is not None and not (_real(norm_len) and 0 < norm_len < math.inf):
         raise ValueError(f"norm_len must be None or a finite number > 0, got {norm_len!r}")
     keep_BT = mask_BT.bool()
     loss_BT = torch.where(keep_BT, loss_BT, torch.zeros_like(loss_BT))
@@ -200,9 +206,9 @@ def _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT):
 
 def _check_objective_params(algo, sapo_tau_pos, sapo_tau_neg, rspo_floor) -> None:
     for name, tau in (("sapo_tau_pos", sapo_tau_pos), ("sapo_tau_neg", sapo_tau_neg)):
-        if not (isinstance(tau, (int, float)) and 0.0 < tau < math.inf):
+        if not (_real(tau) and 0.0 < tau < math.inf):
             raise ValueError(f"{name} must be a finite float > 0, got {tau!r}")
-    if not (isinstance(rspo_floor, (int, float)) and 0.0 < rspo_floor <= 1.0):
+    if not (_real(rspo_floor) and 0.0 < rspo_floor <= 1.0):
         raise ValueError(f"rspo_floor must be a float with 0 < rspo_floor <= 1, got {rspo_floor!r}")
 
 
@@ -257,6 +263,11 @@ def policy_loss(
     """
     _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len)
     _check_objective_params(algo, sapo_tau_pos, sapo_tau_neg, rspo_floor)
+    # plain floats from here on: NumPy scalars would promote tensor arithmetic to their own dtype rules
+    clip_low, clip_high, sapo_tau_pos, sapo_tau_neg, rspo_floor = map(
+        float, (clip_low, clip_high, sapo_tau_pos, sapo_tau_neg, rspo_floor))
+    dual_clip_c = None if dual_clip_c is None else float(dual_clip_c)
+    norm_len = None if norm_len is None else float(norm_len)
     _check_logp("logp_new_BT", logp_new_BT, None)
     shape = tuple(logp_new_BT.shape)
     _check_logp("logp_old_BT", logp_old_BT, shape)

@@ -308,3 +308,21 @@ def test_gspo_accepts_token_advantages_constant_over_response():
 def test_bad_input_other_functions(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_numpy_scalar_bounds_are_accepted_and_equal_python_floats():
+    import numpy as np
+
+    from moe_lab.losses import policy_loss
+
+    g = torch.Generator().manual_seed(3)
+    new, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    adv, mask = torch.randn(3, generator=g), torch.ones(3, 5, dtype=torch.bool)
+    ref, _ = policy_loss(new, old, adv, mask, algo="grpo", clip_low=0.2, clip_high=0.27, dual_clip_c=3.0)
+    got, _ = policy_loss(new, old, adv, mask, algo="grpo", clip_low=np.float32(0.2), clip_high=np.float64(0.27),
+                         dual_clip_c=np.int64(3))
+    assert torch.equal(got, policy_loss(new, old, adv, mask, algo="grpo", clip_low=float(np.float32(0.2)),
+                                        clip_high=0.27, dual_clip_c=3.0)[0])
+    assert float(got) == pytest.approx(float(ref), rel=1e-6)
+    with pytest.raises(ValueError, match="clip_low"):
+        policy_loss(new, old, adv, mask, algo="grpo", clip_low=np.bool_(True), clip_high=0.27)
