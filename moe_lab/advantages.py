@@ -26,9 +26,11 @@ import math
 
 import torch
 
+from moe_lab import constants as C
+
 __all__ = ["WHITEN_MODES", "group_advantages"]
 
-WHITEN_MODES = ("group", "batch")
+WHITEN_MODES = C.WHITEN_MODES
 
 
 def _check_args(rewards_B, group_size, eps, reward_clip, adv_clip, whiten) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from moe_lab import constants as C
+
 
 class ConfigError(ValueError):
     """A config field out of range, unknown or of the wrong type; the message names the field."""
@@ -33,7 +35,7 @@ def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | 
 @dataclass
 class ModelConfig:
     family: str = param("qwen3_moe", "transformers MoE family of the policy (built with random init)",
-                        choices=("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"))
+                        choices=C.FAMILIES)
     checkpoint: str | None = param(None, "local checkpoint directory to load instead of building from this config "
                                          "(offline: nothing is downloaded)")
     num_layers: int = param(4, "decoder layers (all MoE)", ge=1, le=128)
@@ -46,17 +48,17 @@ class ModelConfig:
     intermediate_size: int = param(256, "hidden width of dense/shared-expert MLPs where the family has them", ge=1)
     max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
     experts_impl: str = param("grouped_mm", "transformers experts kernel; batched_mm is ~50x slower on CPU and refused",
-                              choices=("grouped_mm", "eager"))
+                              choices=C.EXPERTS_KERNELS)
     device: str = param("cpu", "where the policy runs: cpu, cuda, or auto (cuda when visible). Training is fp32 "
                                "on either; the GPU path is written but was not verified on a GPU yet",
-                        choices=("cpu", "cuda", "auto"))
+                        choices=C.DEVICES)
     seed: int = param(0, "seed of the random initialisation", ge=0)
 
 
 @dataclass
 class TaskConfig:
     name: str = param("sort", "task with a verifiable reward",
-                      choices=("sort", "addition", "reverse", "long_addition", "long_copy"))
+                      choices=C.TASKS)
     length: int = param(16, "problem size: digits to sort, string length to reverse, digits per addend, or "
                             "letters of long_copy's block (its response writes the block 8 times)", ge=1, le=64)
     partial_credit: bool = param(False, "reward = share of correct answer characters instead of exact match (0/1)")
@@ -81,16 +83,16 @@ class ColdStartConfig:
 @dataclass
 class RLConfig:
     algo: str = param("grpo", "policy objective (formulas: moe_lab/objectives.py)",
-                      choices=("grpo", "gspo", "gspo_token", "gspo_unnormalized", "sapo", "cispo", "gmpo", "rspo"))
+                      choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
-                                "rollout (R3: routing recorded during generation)", choices=("none", "old", "rollout"))
+                                "rollout (R3: routing recorded during generation)", choices=C.REPLAY_MODES)
     clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO 3e-4, CISPO 1.0 = no lower bound, "
                                          "GMPO/RSPO 0.4 in log space; SAPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
     clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO 4e-4, CISPO 0.28, GMPO/RSPO 0.4 "
                                           "in log space)", ge=0.0)
     loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences; -norm divides each "
                                                  "sequence's token sum by the task's fixed response budget",
-                          choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
+                          choices=C.LOSS_AGGS)
     dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages (grpo and gspo variants); "
                                             "None = off", gt=1.0)
     sapo_tau_pos: float = param(1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0)
@@ -99,13 +101,13 @@ class RLConfig:
                                    "no value we could read; 0.5 is ours)", gt=0.0, le=1.0)
     rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
                                             "truncate (tis), mask (mis) or IcePop's two-sided mask",
-                                    choices=("none", "tis_token", "tis_seq", "mis_token", "mis_seq", "icepop"))
+                                    choices=C.ROLLOUT_CORRECTION_MODES)
     rollout_correction_upper: float | None = param(None, "upper bound of the rollout-correction ratio; None = the mode's "
                                                          "(tis/mis 2.0 as verl, icepop 5.0)", gt=0.0)
     rollout_correction_lower: float | None = param(None, "lower bound (mis, icepop only); None = the mode's (mis none, "
                                                          "icepop 0.5)", gt=0.0)
     old_logp: str = param("old_forward", "source of logp_old: a forward pass of the old policy, or the rollout's own "
-                                          "log-probs (the paper's section 5.4 option)", choices=("old_forward", "rollout"))
+                                          "log-probs (the paper's section 5.4 option)", choices=C.OLD_LOGP_SOURCES)
     steps: int = param(40, "RL steps (one rollout batch each)", ge=1)
     prompts_per_step: int = param(16, "prompts per rollout batch (B)", ge=1)
     group_size: int = param(8, "responses per prompt (G)", ge=2)
@@ -121,21 +123,21 @@ class RLConfig:
     weight_decay: float = param(0.0, "AdamW weight decay", ge=0.0)
     grad_clip: float = param(1.0, "max global gradient norm; 0 = off", ge=0.0)
     std_normalize: bool = param(True, "divide group-centred rewards by their std (False = Dr.GRPO mean-only)")
-    whiten: str = param("group", "normalisation scope of advantages", choices=("group", "batch"))
+    whiten: str = param("group", "normalisation scope of advantages", choices=C.WHITEN_MODES)
     reward_clip: float | None = param(None, "clamp rewards to [-c, c]; None = off", gt=0.0)
     adv_clip: float | None = param(None, "clamp advantages to [-c, c]; None = off", gt=0.0)
     kl_coef: float = param(0.0, "KL-to-reference coefficient (the GSPO authors use 0)", ge=0.0)
-    kl_kind: str = param("k3", "KL estimator", choices=("k1", "k2", "k3"))
-    kl_mode: str = param("loss", "KL as a loss term or as a per-token reward penalty", choices=("loss", "reward"))
+    kl_kind: str = param("k3", "KL estimator", choices=C.KL_KINDS)
+    kl_mode: str = param("loss", "KL as a loss term or as a per-token reward penalty", choices=C.KL_MODES)
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient during RL (default off)", ge=0.0)
     router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the old-policy and update "
                                      "forwards: emulates non-deterministic forwards, where repeated passes of one "
                                      "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
     rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
-                                          "rollout-vs-train mismatch", choices=("float32", "bfloat16"))
+                                          "rollout-vs-train mismatch", choices=C.DTYPES)
     train_dtype: str = param("float32", "autocast dtype of the old-policy and update forwards; master weights, "
                                         "optimizer and log-probs stay fp32 (with rollout_dtype: every pairing)",
-                             choices=("float32", "bfloat16"))
+                             choices=C.DTYPES)
     eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
     checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
     collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "
@@ -165,12 +167,9 @@ class RunConfig:
     threads: int = param(1, "torch intra-op threads of one run (parallel runs share the cores)", ge=1)
 
 
-# CISPO: no lower bound on its IS weight (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper
-# publishing none; GMPO/RSPO: +-0.4 on the LOG ratio; SAPO has no clip (GRPO's range for clip_frac/*).
-PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4),
-              "sapo": (0.2, 0.27), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4)}
-ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "tis_seq": (None, 2.0),
-                             "mis_token": (None, 2.0), "mis_seq": (None, 2.0), "icepop": (0.5, 5.0)}
+# Re-exported: callers import the defaults from config since before moe_lab/constants.py existed.
+PAPER_CLIP = C.PAPER_CLIP
+ROLLOUT_CORRECTION_BOUNDS = C.ROLLOUT_CORRECTION_BOUNDS
 
 
 def resolved_clip(rl: RLConfig) -> tuple[float, float]:
@@ -247,9 +246,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
     low, high = resolved_clip(rl)
-    if not (0.0 <= low < (1.0 if rl.algo not in ("cispo", "gmpo", "rspo") else math.inf) and high >= 0.0):
+    if not (0.0 <= low < (1.0 if rl.algo not in C.CLIP_LOW_UNBOUNDED else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
-    if rl.dual_clip_c is not None and rl.algo in ("sapo", "cispo", "gmpo", "rspo"):
+    if rl.dual_clip_c is not None and rl.algo not in C.PPO_CLIP_ALGOS:
         raise ConfigError(f"rl.dual_clip_c={rl.dual_clip_c}: applies to grpo and the gspo variants only, not "
                           f"rl.algo={rl.algo}; leave it None")
     _check_rollout_correction(rl)

@@ -11,7 +11,7 @@ config from :class:`~moe_lab.config.ModelConfig`, which module class is its rout
   gathered from the dense logits/probabilities (never from top-k-zeroed ones, which would silently kill the
   router gradient of a replayed expert the router no longer picks).
 
-Adding a family = one ``FamilySpec`` entry in ``FAMILIES``.
+Adding a family = one ``FamilySpec`` entry in ``FAMILIES`` (+ its name in ``constants.FAMILIES``).
 
 megablocks is not yet supported: its PyPI release is a CUDA-only build pinned to torch 2.7.0 and its fused
 MoE MLP bypasses the router module (the seam above), so it needs a GPU machine and its own entry (a router

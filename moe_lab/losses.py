@@ -24,6 +24,7 @@ import numbers
 
 import torch
 
+from moe_lab import constants as C
 from moe_lab.objectives import (
     OBJECTIVES,
     RSPO_FLOOR_DEFAULT,
@@ -47,10 +48,10 @@ __all__ = [
 
 # The PPO-clip family (a clipped surrogate on a token or sequence ratio, dual clip allowed): the
 # algorithms the clipped-surrogate properties and the golden file hold for.
-ALGOS = ("grpo", "gspo", "gspo_token", "gspo_unnormalized")
-ALL_ALGOS = tuple(OBJECTIVES)
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3")
+ALGOS = C.PPO_CLIP_ALGOS
+ALL_ALGOS = C.ALGOS
+LOSS_AGGS = C.LOSS_AGGS
+KL_KINDS = C.KL_KINDS
 
 
 # ---------------------------------------------------------------- validation (before any work)

@@ -5,7 +5,7 @@ advantages and mask to per-token loss terms (to MINIMISE) plus the objective's o
 (every masked position is 0 before any arithmetic), the +-20 log-ratio clamp, rollout-correction
 weights, aggregation (``aggregate_loss``) and the shared metrics (``ratio_metrics.policy_metrics``).
 Adding an objective = one function here + one line in ``OBJECTIVES`` (+ its name in
-``config.RLConfig.algo`` and a default in ``config.PAPER_CLIP``).
+``constants.ALGOS`` and a default in ``constants.PAPER_CLIP``).
 
 | algo | per-token loss term L[i,t] (A = advantage, d = clamped log-ratio, w = exp(d)) | default clip | paper |
 |---|---|---|---|
@@ -179,7 +179,7 @@ def cispo(x: ObjectiveInputs) -> ObjectiveTerms:
 
     The gradient never flows through the weight: every token keeps sg(w_clipped) A grad logp, none is
     zeroed (clip_frac/active is 0; clip_frac/out_of_range is the share of clipped weights).
-    Default range (config.PAPER_CLIP): clip_low = 1.0, clip_high = 0.28. The paper imposes no lower
+    Default range (constants.PAPER_CLIP): clip_low = 1.0, clip_high = 0.28. The paper imposes no lower
     bound on the IS weight ("set eps_low to a large value") and tunes only eps_high, whose value it
     does not publish; any clip_low >= 1 means no lower bound (ratios are >= 0). 0.28 is DAPO's
     clip-higher value (the baseline M1 compares with), also Trinity-RFT's CISPO default. The paper

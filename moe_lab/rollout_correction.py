@@ -25,15 +25,15 @@ import math
 
 import torch
 
-from moe_lab.config import ROLLOUT_CORRECTION_BOUNDS
+from moe_lab import constants as C
 from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["MODES", "DEFAULT_BOUNDS", "METRIC_KEYS", "resolved_bounds", "rollout_correction"]
 
-# (lower, upper) when the caller passes None (kept in the torch-free config): TIS/MIS: verl's
+# (lower, upper) when the caller passes None (kept in the torch-free moe_lab/constants.py): TIS/MIS: verl's
 # rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5.
-DEFAULT_BOUNDS = ROLLOUT_CORRECTION_BOUNDS
-MODES = tuple(DEFAULT_BOUNDS)
+DEFAULT_BOUNDS = C.ROLLOUT_CORRECTION_BOUNDS
+MODES = C.ROLLOUT_CORRECTION_MODES
 METRIC_KEYS = ("rollout_corr/weight_mean", "rollout_corr/weight_max", "rollout_corr/truncated_frac",
                "rollout_corr/masked_frac", "rollout_corr/ess")
 

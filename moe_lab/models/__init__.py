@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from moe_lab import constants as C
 from moe_lab.config import ModelConfig
 from moe_lab.families import FAMILIES, FamilySpec, family_of_model_type, family_of_router, get_family, hf_kwargs
 
-EXPERTS_IMPLS = ("grouped_mm", "eager")  # batched_mm is ~50x slower on CPU: refused
+EXPERTS_IMPLS = C.EXPERTS_KERNELS  # batched_mm is ~50x slower on CPU: refused
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -1,6 +1,6 @@
 """Tasks with verifiable rewards: prompts, ``reward()``, demonstrations and the shared tokenizer.
 
-``get_task(cfg)`` is the only constructor callers need; ``TASKS`` maps each ``TaskConfig.name`` to its class.
+``get_task(cfg)`` is the only constructor callers need; ``TASKS`` maps each ``TaskConfig.name`` (``constants.TASKS``) to its class.
 """
 
 from __future__ import annotations

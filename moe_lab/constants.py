@@ -1,0 +1,40 @@
+"""Every enumeration of the project, once, torch-free: config's ``choices=`` and the registries read these.
+
+A registry (``objectives.OBJECTIVES``, ``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries;
+``tests/test_constants.py`` checks that its keys equal the names here, so adding an entry means adding
+its name here too (and the config then accepts it).
+"""
+
+from __future__ import annotations
+
+# Policy objectives (moe_lab/objectives.py). PPO_CLIP_ALGOS: a clipped surrogate on a token or sequence
+# ratio, dual clip allowed; the algorithms the clipped-surrogate properties and the golden file hold for.
+PPO_CLIP_ALGOS = ("grpo", "gspo", "gspo_token", "gspo_unnormalized")
+ALGOS = (*PPO_CLIP_ALGOS, "sapo", "cispo", "gmpo", "rspo")
+# clip_low may reach 1 and beyond: CISPO's IS weight has no lower bound, GMPO/RSPO clip the log ratio.
+CLIP_LOW_UNBOUNDED = ("cispo", "gmpo", "rspo")
+
+# The default clip range (clip_low, clip_high) of each objective. CISPO: no lower bound on its IS weight
+# (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper publishing none; GMPO/RSPO: +-0.4 on the LOG
+# ratio; SAPO has no clip (GRPO's range for clip_frac/*).
+PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4),
+              "sapo": (0.2, 0.27), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4)}
+
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+KL_MODES = ("loss", "reward")
+WHITEN_MODES = ("group", "batch")
+REPLAY_MODES = ("none", "old", "rollout")
+OLD_LOGP_SOURCES = ("old_forward", "rollout")
+
+# Rollout correction (moe_lab/rollout_correction.py): (lower, upper) when the config leaves them None.
+# TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5.
+ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "tis_seq": (None, 2.0),
+                             "mis_token": (None, 2.0), "mis_seq": (None, 2.0), "icepop": (0.5, 5.0)}
+ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_BOUNDS)
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss")
+TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
+EXPERTS_KERNELS = ("grouped_mm", "eager")
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = ("float32", "bfloat16")

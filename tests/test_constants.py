@@ -1,0 +1,53 @@
+"""Each registry holds exactly the names of moe_lab/constants.py, which the config accepts."""
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+from moe_lab import config, constants as C
+from moe_lab.advantages import WHITEN_MODES
+from moe_lab.families import FAMILIES
+from moe_lab.models import EXPERTS_IMPLS
+from moe_lab.losses import ALGOS, ALL_ALGOS, KL_KINDS, LOSS_AGGS
+from moe_lab.objectives import OBJECTIVES
+from moe_lab.rollout_correction import DEFAULT_BOUNDS, MODES
+from moe_lab.tasks import TASKS
+
+
+def _choices(cls, name: str) -> tuple:
+    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["choices"]
+
+
+def test_registries_match_the_constants():
+    assert list(OBJECTIVES) == list(C.ALGOS) == list(ALL_ALGOS)
+    assert set(C.PAPER_CLIP) == set(C.ALGOS)
+    assert set(FAMILIES) == set(C.FAMILIES)
+    assert set(TASKS) == set(C.TASKS)
+    assert set(DEFAULT_BOUNDS) == set(MODES) == set(C.ROLLOUT_CORRECTION_MODES)
+    assert EXPERTS_IMPLS == C.EXPERTS_KERNELS
+    assert (ALGOS, LOSS_AGGS, KL_KINDS, WHITEN_MODES) == (C.PPO_CLIP_ALGOS, C.LOSS_AGGS, C.KL_KINDS, C.WHITEN_MODES)
+
+
+def test_objective_properties_match_the_constants():
+    assert set(C.PPO_CLIP_ALGOS) == {name for name, obj in OBJECTIVES.items() if obj.dual_clip}
+    assert set(C.CLIP_LOW_UNBOUNDED) == {name for name, obj in OBJECTIVES.items() if obj.clip_low_max == math.inf}
+
+
+def test_config_choices_are_the_constants():
+    rl, model = config.RLConfig, config.ModelConfig
+    assert _choices(rl, "algo") == C.ALGOS
+    assert _choices(rl, "loss_agg") == C.LOSS_AGGS
+    assert _choices(rl, "kl_kind") == C.KL_KINDS
+    assert _choices(rl, "replay") == C.REPLAY_MODES
+    assert _choices(rl, "rollout_correction") == C.ROLLOUT_CORRECTION_MODES
+    assert _choices(rl, "rollout_dtype") == _choices(rl, "train_dtype") == C.DTYPES
+    assert _choices(model, "family") == C.FAMILIES
+    assert _choices(model, "experts_impl") == C.EXPERTS_KERNELS
+    assert _choices(config.TaskConfig, "name") == C.TASKS
+    assert config.PAPER_CLIP is C.PAPER_CLIP
+
+
+def test_constants_and_config_import_without_torch():
+    code = "import sys, moe_lab.constants, moe_lab.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
