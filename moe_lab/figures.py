@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab import plots, results
+from moe_lab import plots, results, stability
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
@@ -75,7 +75,7 @@ def _design(results_dir: Path) -> dict | None:
         return None
 
 
-def is_atlas(df: pd.DataFrame, reference: str = results.ATLAS_REFERENCE) -> bool:
+def is_atlas(df: pd.DataFrame, reference: str = stability.ATLAS_REFERENCE) -> bool:
     """A one-factor-at-a-time experiment: factor-labelled arms that include the reference arm (the atlas's
     accuracy gap is taken to it). A plain sweep (clip range, router lr of GRPO and GSPO) is not one."""
     if not _has(df, "factor") or "arm_base" not in df:

@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moe_lab import results
+from moe_lab import results, stability
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
 ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",
@@ -366,11 +366,11 @@ def _all_handles(fig: Figure, axes) -> None:
 @styled
 def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Figure:
     """Share of runs not yet collapsed against the RL step, per arm: the Kaplan-Meier step function of
-    results.survival_table (a run that ends uncollapsed is censored at its last step)."""
+    stability.survival_table (a run that ends uncollapsed is censored at its last step)."""
     if "collapsed_at" not in metrics_df:
         raise ValueError("survival: the frame has no collapsed_at column (read it with results.load_runs)")
     arms = _arms(metrics_df, arms)
-    table = results.survival_table(metrics_df[metrics_df["arm"].isin(arms)])
+    table = stability.survival_table(metrics_df[metrics_df["arm"].isin(arms)])
     fig, axes = _figure(1, width=5.0)
     ax = axes[0, 0]
     for arm in arms:
@@ -390,12 +390,12 @@ ATLAS_ROWS = (("expert_change", "expert change per update\n(last 25% of updates)
 
 
 @styled
-def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = results.ATLAS_REFERENCE,
+def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = stability.ATLAS_REFERENCE,
           levels: dict[str, Sequence] | None = None, design: dict | None = None) -> Figure:
-    """The stability atlas (results.atlas_table): one column per factor, rows = expert change per update,
+    """The stability atlas (stability.atlas_table): one column per factor, rows = expert change per update,
     p99 of minibatch token-ratio variance, and the final greedy-accuracy gap to the reference arm at the same
     level; x = the factor's levels (categorical, in level order), one line per base arm."""
-    table = results.atlas_table(metrics_df, eval_df, reference=reference, levels=levels, design=design)
+    table = stability.atlas_table(metrics_df, eval_df, reference=reference, levels=levels, design=design)
     factors = list(dict.fromkeys(table["factor"]))
     if not factors:
         raise ValueError("atlas: no arm carries a '<arm>__<factor>=<level>' label")

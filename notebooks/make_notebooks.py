@@ -27,7 +27,7 @@ ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moe_lab" / "r
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from moe_lab import figures, plots, results
+from moe_lab import figures, plots, results, stability
 
 REFERENCE = results.reference_dir()  # $MOE_LAB_RESULTS, else results/reference above the working directory
 print("reading results from", REFERENCE)'''
@@ -145,7 +145,7 @@ STABILITY = {
                "the p99 of the minibatch token-ratio variance, and each arm's final greedy accuracy minus "
                "GRPO + R2's at the same level. The base point sits on every factor's axis."),
         ("code", "plots.atlas(atlas_metrics, atlas_evals, design=design)"),
-        ("code", 'table = results.atlas_table(atlas_metrics, atlas_evals, design=design)\n'
+        ("code", 'table = stability.atlas_table(atlas_metrics, atlas_evals, design=design)\n'
                  'table.pivot_table(index=["factor", "level"], columns="arm_base", values="acc_gap", sort=False)'),
         ("md", "## Where GRPO without replay falls furthest behind GRPO + R2\nOne seed per cell: a ranking "
                "of single runs. Read it as where to look, then check with seeds (next section)."),

@@ -12,7 +12,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 from synthetic import PAPER_ARMS, clip_sweep_arms, volatility_sweep_arms, write_experiment  # noqa: E402
 
-from moe_lab import figures, plots, results  # noqa: E402
+from moe_lab import figures, plots, results, stability  # noqa: E402
 
 LAYERS, STEPS = 3, 5
 PER_STEP_FIGURES = ["clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance"]
@@ -297,7 +297,7 @@ def atlas_experiment(root):
 def test_atlas_small_multiples_one_column_per_factor(tmp_path):
     metrics, evals = results.load_runs(atlas_experiment(tmp_path / "atlas"))
     fig = plots.atlas(metrics, evals)
-    table = results.atlas_table(metrics, evals)
+    table = stability.atlas_table(metrics, evals)
     axes = np.array(fig.axes).reshape(3, 2)
     assert [ax.get_title() for ax in axes[0]] == ["noise", "router_lr"]
     for j, (factor, levels) in enumerate((("noise", ["0", "0.1"]), ("router_lr", ["1", "10", "100"]))):
@@ -330,11 +330,11 @@ def test_atlas_of_a_factors_design_puts_the_shared_base_on_every_axis(tmp_path):
         arms[f"{base}__lag=2"] = {"rl": {**PAPER_ARMS[base]["rl"], "router_lr_mult": 10.0}}
     metrics, evals = results.load_runs(write_experiment(tmp_path / "f", arms, seeds=(0,), steps=4, layers=2))
     design = {"factors": {"noise": {"0.1": {"rl.router_noise": 0.1}, "0": {}}, "lag": {"0": {}, "2": {"x": 1}}}}
-    table = results.atlas_table(metrics, evals, design=design)
+    table = stability.atlas_table(metrics, evals, design=design)
     assert list(dict.fromkeys(table["factor"])) == ["noise", "lag"]
     noise = table[table["factor"] == "noise"]
     assert list(dict.fromkeys(noise["level"])) == ["0.1", "0"]  # the file's order, not numeric
-    alone = results.atlas_table(metrics[metrics["arm"].str.endswith("__base")],
+    alone = stability.atlas_table(metrics[metrics["arm"].str.endswith("__base")],
                                 evals[evals["arm"].str.endswith("__base")])
     for factor, level in (("noise", "0"), ("lag", "0")):  # the base run, wherever it sits
         at = table[(table["factor"] == factor) & (table["level"] == level)].set_index("arm_base")

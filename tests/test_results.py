@@ -15,7 +15,7 @@ import pytest
 import yaml
 from synthetic import PAPER_ARMS, write_experiment
 
-from moe_lab import results
+from moe_lab import results, stability
 from moe_lab.config import PAPER_CLIP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,18 +270,18 @@ def test_base_arm_and_flatten():
 @pytest.mark.parametrize("k, n, expected", [(0, 5, (0.0, 0.4345)), (5, 10, (0.2366, 0.7634)), (1, 10, (0.0179, 0.4042)),
                                             (5, 5, (0.5655, 1.0)), (3, 3, (0.4385, 1.0))])
 def test_wilson_interval_known_values(k, n, expected):
-    assert results.wilson_interval(k, n) == pytest.approx(expected, abs=5e-5)
+    assert stability.wilson_interval(k, n) == pytest.approx(expected, abs=5e-5)
 
 
 def test_wilson_interval_symmetry_nan_and_bad_input():
     for n in (1, 4, 7):
         for k in range(n + 1):
-            lo, hi = results.wilson_interval(k, n)
+            lo, hi = stability.wilson_interval(k, n)
             assert 0 <= lo <= k / n <= hi <= 1
-            assert (1 - hi, 1 - lo) == pytest.approx(results.wilson_interval(n - k, n))
-    assert all(math.isnan(v) for v in results.wilson_interval(0, 0))
+            assert (1 - hi, 1 - lo) == pytest.approx(stability.wilson_interval(n - k, n))
+    assert all(math.isnan(v) for v in stability.wilson_interval(0, 0))
     with pytest.raises(ValueError, match="k=6"):
-        results.wilson_interval(6, 5)
+        stability.wilson_interval(6, 5)
 
 
 @pytest.fixture
@@ -298,7 +298,7 @@ def collapsing(tmp_path):
 
 def test_old_manifest_collapse_is_recomputed_from_its_rows(collapsing):
     metrics, evals = results.load_runs(collapsing)
-    runs = results.collapse_runs(metrics).set_index("run_id")
+    runs = stability.collapse_runs(metrics).set_index("run_id")
     assert runs.loc["grpo-s0", "collapsed_at"] == 10 and runs.loc["grpo-s0", "collapse_rule"] == "zero_reward"
     assert np.isnan(runs.loc["grpo-s1", "collapsed_at"]) and runs.loc["grpo-s1", "collapse_rule"] == ""
     assert (runs["last_step"] == 13).all()
@@ -311,7 +311,7 @@ def test_manifest_collapse_wins_over_the_rows(collapsing):
         rule = None if value is None else "reward_drop"
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "collapsed_at": value,
                                         "collapse_rule": rule}))
-    runs = results.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
+    runs = stability.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
     assert np.isnan(runs.loc["grpo-s0", "collapsed_at"]) and runs.loc["grpo-s0", "collapse_rule"] == ""
     assert runs.loc["grpo-s1", "collapsed_at"] == 3 and runs.loc["grpo-s1", "collapse_rule"] == "reward_drop"
 
@@ -323,7 +323,7 @@ def test_unfinished_run_collapse_comes_from_its_rows(collapsing, status, traceba
     extra = {"traceback": traceback} if traceback else {}
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "status": status, "collapsed_at": None,
                                     "collapse_rule": None, **extra}))
-    runs = results.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
+    runs = stability.collapse_runs(results.load_runs(collapsing)[0]).set_index("run_id")
     assert runs.loc["grpo-s0", "collapsed_at"] == 10 and runs.loc["grpo-s0", "collapse_rule"] == "zero_reward"
 
 
@@ -331,7 +331,7 @@ def test_summary_collapse_rate_wilson_and_median(collapsing):
     table = results.summarize(*results.load_runs(collapsing)).set_index("arm")
     row = table.loc["grpo"]
     assert (row["collapses"], row["collapse_rate"], row["collapse_step_median"]) == (1, 0.5, 10.0)
-    assert (row["collapse_rate_lo"], row["collapse_rate_hi"]) == pytest.approx(results.wilson_interval(1, 2))
+    assert (row["collapse_rate_lo"], row["collapse_rate_hi"]) == pytest.approx(stability.wilson_interval(1, 2))
     text = results.format_summary(table.reset_index())
     assert "1/2 [0.09, 0.91]" in text and "collapse step" in text.splitlines()[0]
 
@@ -339,14 +339,14 @@ def test_summary_collapse_rate_wilson_and_median(collapsing):
 def test_summary_without_collapse_column_says_unknown():
     metrics, evals = hand_frames({0: 4, 1: 4})
     row = results.summarize(metrics, evals).iloc[0]
-    assert all(np.isnan(row[c]) for c in results.COLLAPSE_COLUMNS)
+    assert all(np.isnan(row[c]) for c in stability.COLLAPSE_COLUMNS)
     assert "collapsed" not in results.format_summary(results.summarize(metrics, evals))
 
 
 def test_reference_runs_never_collapse_under_the_default_rules():
     # the committed reference runs are healthy learning curves: the defaults must not call them collapsed
     metrics, _ = results.load_runs([results.reference_dir(s, start=ROOT) for s in ("paper", "clip_sweep")])
-    runs = results.collapse_runs(metrics)
+    runs = stability.collapse_runs(metrics)
     assert len(runs) >= 30 and runs["collapsed_at"].isna().all()
 
 
@@ -360,7 +360,7 @@ def survival_frame() -> pd.DataFrame:
 
 
 def test_survival_table_is_the_kaplan_meier_step_function():
-    table = results.survival_table(survival_frame())
+    table = stability.survival_table(survival_frame())
     a = table[table["arm"] == "a"]
     assert list(a["step"]) == list(range(10))
     # S(3) = 1 - 1/4; S(5) = 0.75 * (1 - 1/2): r3 (censored at 4) is no longer at risk at 5
@@ -408,7 +408,7 @@ def atlas_frames():
 
 
 def test_atlas_table_matches_hand_computation():
-    table = results.atlas_table(*atlas_frames())
+    table = stability.atlas_table(*atlas_frames())
     assert list(zip(table["factor"], table["level"], table["arm_base"])) == [
         ("depth", "4", "grpo"), ("depth", "4", "grpo_r2"), ("noise", "2", "grpo"), ("noise", "2", "grpo_r2"),
         ("noise", "10", "grpo"), ("noise", "10", "grpo_r2")]  # levels in numeric order, not as strings
@@ -429,9 +429,9 @@ def test_atlas_table_matches_hand_computation():
 
 def test_atlas_table_level_order_given_and_checked():
     metrics, evals = atlas_frames()
-    table = results.atlas_table(metrics, evals, levels={"noise": ["10", "2"]})
+    table = stability.atlas_table(metrics, evals, levels={"noise": ["10", "2"]})
     assert list(table["factor"])[:4] == ["noise"] * 4  # the given factor first
     assert list(table.loc[table["factor"] == "noise", "level"]) == ["10", "10", "2", "2"]
     with pytest.raises(ValueError, match="levels"):
-        results.atlas_table(metrics, evals, levels={"noise": ["2"]})
-    assert np.isnan(results.atlas_table(metrics, evals, reference="nope")["acc_gap"]).all()
+        stability.atlas_table(metrics, evals, levels={"noise": ["2"]})
+    assert np.isnan(stability.atlas_table(metrics, evals, reference="nope")["acc_gap"]).all()
