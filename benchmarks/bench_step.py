@@ -22,7 +22,7 @@ from moe_lab.losses import policy_loss
 from moe_lab.models import build_model
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import forward_logits, generate, token_logprobs
-from moe_lab.step import minibatch_rows, rl_step
+from moe_lab.step import minibatch_indices, rl_step
 from moe_lab.tasks import get_task
 
 
@@ -38,11 +38,11 @@ def bare_step(model, opt, task, cfg: RunConfig, prompts: list[str]) -> dict[str,
     t2 = time.perf_counter()
     adv = torch.randn(len(group))
     low, high = resolved_clip(rl)
-    for rows in minibatch_rows(len(group), rl.minibatches, 0, 0):
+    for idx_B in minibatch_indices(len(group), rl.minibatches, 0, 0):
         opt.zero_grad(set_to_none=True)
-        logits = forward_logits(model, batch.input_ids_BS[rows], batch.attention_mask_BS[rows]).logits
-        loss, _ = policy_loss(token_logprobs(logits, batch.input_ids_BS[rows]), old[rows], adv[rows],
-                              batch.response_mask_BT[rows], algo=rl.algo, clip_low=low, clip_high=high)
+        logits = forward_logits(model, batch.input_ids_BS[idx_B], batch.attention_mask_BS[idx_B]).logits
+        loss, _ = policy_loss(token_logprobs(logits, batch.input_ids_BS[idx_B]), old[idx_B], adv[idx_B],
+                              batch.response_mask_BT[idx_B], algo=rl.algo, clip_low=low, clip_high=high)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), rl.grad_clip)  # every trainer clips (TRL included)
         opt.step()

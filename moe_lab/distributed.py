@@ -82,9 +82,9 @@ def rank_groups(n_prompts: int, rank: int, world: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def group_minibatch_rows(group_indices, group_size: int, minibatches: int, seed: int, step: int,
+def group_minibatch_indices(group_indices, group_size: int, minibatches: int, seed: int, step: int,
                          epoch: int = 0) -> list[torch.Tensor]:
-    """Row indices (into the rank's batch) of each minibatch: G/M responses of every local group.
+    """Indices (into the rank's batch) of each minibatch: G/M responses of every local group.
 
     Each group's shuffle is seeded by its global index, so the global minibatch does not depend on the split;
     every epoch (rl.epochs) draws its own shuffle, epoch 0 the one single-epoch runs always drew.
@@ -266,9 +266,9 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
         batch_metrics[k] = max(sum(g[0][k] for g in per_rank) for per_rank in all_groups)
     mask = data.batch.response_mask_BT
     local_rows = []
-    for epoch, m, u, idx in _schedule(groups, cfg, step, first_update):
-        metrics = update(ddp_policy, ref_model, optimizer, data, idx, cfg, step, u)
-        local_rows.append(((epoch, m, u), (metrics, float(len(idx)), float(mask[idx].sum()))))
+    for epoch, m, u, idx_B in _schedule(groups, cfg, step, first_update):
+        metrics = update(ddp_policy, ref_model, optimizer, data, idx_B, cfg, step, u)
+        local_rows.append(((epoch, m, u), (metrics, float(len(idx_B)), float(mask[idx_B].sum()))))
         if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
             break
     all_rows = _all_gather(local_rows)
@@ -285,11 +285,11 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
 
 
 def _schedule(groups: range, cfg: RunConfig, step: int, first_update: int):
-    """(epoch, minibatch, update index, local rows) of every update of one step, in step._schedule's order."""
+    """(epoch, minibatch, update index, local idx_B) of every update of one step, in step._schedule's order."""
     rl = cfg.rl
     for epoch in range(rl.epochs):
-        for m, idx in enumerate(group_minibatch_rows(groups, rl.group_size, rl.minibatches, cfg.seed, step, epoch)):
-            yield epoch, m, first_update + epoch * rl.minibatches + m, idx
+        for m, idx_B in enumerate(group_minibatch_indices(groups, rl.group_size, rl.minibatches, cfg.seed, step, epoch)):
+            yield epoch, m, first_update + epoch * rl.minibatches + m, idx_B
 
 
 def _all_gather(obj) -> list:
@@ -334,17 +334,19 @@ def _on_rank0_first(fn):
     return result
 
 
-def _resume_state(run_dir: Path, policy, optimizer, world: int) -> dict:
+def _resume_state(run_dir: Path, policy, optimizer, world: int):
+    from moe_lab.train import TrainState
+
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer)
     if state is None:
-        return {"step": 0, "rows": 0, "eval_rows": 0, "wall_s": 0.0, "world_size": world}
+        return TrainState(extra={"world_size": world})
     saved = state.get("world_size")
     if saved != world:
         what = "a single-process run" if saved is None else f"world size {saved}"
         raise ConfigError(f"{run_dir / 'checkpoint'} was written by {what}; resuming it with world size {world} "
                           f"would change the sampling split: resume with --nproc-per-node {saved or 1}"
                           f"{'' if saved else ' through moe-lab run'} or use another --out")
-    return state
+    return TrainState.from_dict(state)
 
 
 def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default") -> str:
@@ -371,33 +373,33 @@ def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str 
     lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
     log = RunLog(run_dir, T.run_info(cfg, run_id, arm)) if rank == 0 else None
     if log:
-        log.load(state["rows"], state["eval_rows"])
+        log.load(state.rows, state.eval_rows)
     # the health after the logged rows: only rank 0 holds them; from then on every rank advances it on the
     # same global rows, so all ranks stop at the same step
     health_box = [T._health(cfg, log) if log else None]
     dist.broadcast_object_list(health_box, src=0)
     run_health = health_box[0]
     if log:
-        log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"], world_size=world, **run_health.manifest())
+        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, world_size=world, **run_health.manifest())
     reason = _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir,
                    rank, world, lagged, run_health)
     status = STATUS_FAILED if reason else STATUS_DONE
     if log:
         log.flush()
-        log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"], world_size=world,
+        log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, world_size=world,
                            **T._health(cfg, log).manifest())
     dist.barrier()
     return status
 
 
-def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state: dict, run_dir: Path,
+def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir: Path,
           rank: int, world: int, lagged: collections.deque, run_health) -> str:
     """train._loop's step loop over the process group (same lag queue, health rules and checkpoints)."""
     from moe_lab import train as T
     from moe_lab.step import updates_per_step
 
     eval_prompts = task.eval_prompts()
-    for step in range(state["step"], cfg.rl.steps):
+    for step in range(state.step, cfg.rl.steps):
         t0 = time.perf_counter()
         if log and step % cfg.rl.eval_every == 0:
             log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, step))
@@ -406,20 +408,20 @@ def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, l
         rows = dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg, step,
                        T.step_prompts(task, cfg, step), step * updates_per_step(cfg), rank, world)
         T._push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
-        state["wall_s"] += time.perf_counter() - t0
+        state.wall_s += time.perf_counter() - t0
         if log:
             for r in rows:
-                log.add({**r, "perf/wall_s": state["wall_s"]})
-        state["step"] = step + 1
+                log.add({**r, "perf/wall_s": state.wall_s})
+        state.step = step + 1
         reason, run_health = T._failure(rows, run_health, cfg.rl)  # same rows on every rank: all stop together
         if reason:
             return reason
-        if state["step"] % cfg.rl.checkpoint_every == 0 or state["step"] == cfg.rl.steps:
+        if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
             if log:
-                if state["step"] == cfg.rl.steps:
-                    log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, state["step"]))
-                state["rows"], state["eval_rows"] = log.flush()
-                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state, snapshots=list(lagged))
+                if state.step == cfg.rl.steps:
+                    log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, state.step))
+                state.rows, state.eval_rows = log.flush()
+                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
             dist.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
     return ""
 

@@ -95,39 +95,74 @@ def _reward_metrics(rewards_B: torch.Tensor, group_size: int, batch: RolloutBatc
             "response/length_max": float(batch.response_len_B.max())}
 
 
-def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
-    """Rollout with routing recorded, rewards and advantages, then the old-policy pass."""
-    rl = cfg.rl
-    t0 = time.perf_counter()
-    group_prompts = [p for p in prompts for _ in range(rl.group_size)]
+def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str]) -> tuple[list[str], RolloutBatch]:
+    """Stage 1: group_size samples of every prompt, routing recorded (R3's trace)."""
+    group_prompts = [p for p in prompts for _ in range(cfg.rl.group_size)]
     batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
-                     temperature=rl.temperature, record_routing=True)
-    rewards_B = torch.tensor([task.reward(p, c) for p, c in zip(group_prompts, batch.completions)],
-                             dtype=torch.float32, device=batch.input_ids_BS.device)
+                     temperature=cfg.rl.temperature, record_routing=True)
+    return group_prompts, batch
+
+
+def _rewards(task, group_prompts: list[str], batch: RolloutBatch) -> torch.Tensor:
+    """Stage 2: the task's verifiable reward of every completion."""
+    return torch.tensor([task.reward(p, c) for p, c in zip(group_prompts, batch.completions)],
+                        dtype=torch.float32, device=batch.input_ids_BS.device)
+
+
+def _old_logp(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace | None, dict]:
+    """Stage 3: (logp_old, the routing that produced it, mismatch metrics): the old-policy forward, or the
+    sampler's own log-probs and routing (section 5.4), which have no mismatch to measure."""
+    if cfg.rl.old_logp == "rollout":
+        return batch.logp_rollout_BT, batch.trace, {}
+    logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
+    return logp_old_BT, old_trace, _mismatch_metrics(batch, logp_old_BT, free_trace)
+
+
+def _correction(batch: RolloutBatch, logp_old_BT: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor | None, dict]:
+    """Stage 4: rollout-correction weights pi_train/pi_rollout and their metrics; (None, {}) when off.
+    The config refuses a correction with old_logp=rollout (no gap to correct)."""
+    rl = cfg.rl
+    if rl.rollout_correction == "none":
+        return None, {}
+    is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
+                                             mode=rl.rollout_correction, upper=rl.rollout_correction_upper,
+                                             lower=rl.rollout_correction_lower)
+    return is_weights_BT, {key: float(value) for key, value in corr.items()}
+
+
+def _kl_reward(ref_model, batch: RolloutBatch, logp_old_BT: torch.Tensor, rewards_B: torch.Tensor,
+               cfg: RunConfig) -> tuple[torch.Tensor, dict]:
+    """Stage 5: rewards minus the per-sequence KL to the reference (rl.kl_mode=reward); unchanged otherwise."""
+    rl = cfg.rl
+    if ref_model is None or rl.kl_coef <= 0 or rl.kl_mode != "reward":
+        return rewards_B, {}
+    with torch.no_grad():
+        ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
+                                batch.input_ids_BS, rl.temperature)
+    kl_B = (kl_penalty(logp_old_BT, ref_BT, batch.response_mask_BT, rl.kl_kind)).sum(-1)
+    return rewards_B - rl.kl_coef * kl_B, {"kl/ref_reward_penalty": float(kl_B.mean())}
+
+
+def _advantages(rewards_B: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
+    """Stage 6: group-normalised advantages of the (possibly KL-penalised) rewards."""
+    rl = cfg.rl
+    return group_advantages(rewards_B, rl.group_size, std_normalize=rl.std_normalize, reward_clip=rl.reward_clip,
+                            adv_clip=rl.adv_clip, whiten=rl.whiten)
+
+
+def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
+    """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages."""
+    t0 = time.perf_counter()
+    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts)
+    rewards_B = _rewards(task, group_prompts, batch)
     t1 = time.perf_counter()
-    metrics = _reward_metrics(rewards_B, rl.group_size, batch)
-    if rl.old_logp == "old_forward":
-        logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
-        metrics.update(_mismatch_metrics(batch, logp_old_BT, free_trace))
-    else:  # section 5.4: the sampler's log-probs and routing stand in for the old policy's
-        logp_old_BT, old_trace = batch.logp_rollout_BT, batch.trace
-    is_weights_BT = None
-    if rl.rollout_correction != "none":  # config refuses it with old_logp=rollout (no gap to correct)
-        is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
-                                                 mode=rl.rollout_correction, upper=rl.rollout_correction_upper,
-                                                 lower=rl.rollout_correction_lower)
-        metrics.update({key: float(value) for key, value in corr.items()})
-    if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "reward":
-        with torch.no_grad():
-            ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
-                                    batch.input_ids_BS, rl.temperature)
-        kl_B = (kl_penalty(logp_old_BT, ref_BT, batch.response_mask_BT, rl.kl_kind)).sum(-1)
-        rewards_B = rewards_B - rl.kl_coef * kl_B
-        metrics["kl/ref_reward_penalty"] = float(kl_B.mean())
-    adv_B = group_advantages(rewards_B, rl.group_size, std_normalize=rl.std_normalize, reward_clip=rl.reward_clip,
-                             adv_clip=rl.adv_clip, whiten=rl.whiten)
-    metrics.update({"perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
-    forced = {"none": None, "old": old_trace, "rollout": batch.trace}[rl.replay]
+    metrics = _reward_metrics(rewards_B, cfg.rl.group_size, batch)
+    logp_old_BT, old_trace, mismatch = _old_logp(policy, batch, cfg, step)
+    is_weights_BT, corr = _correction(batch, logp_old_BT, cfg)
+    rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, cfg)
+    adv_B = _advantages(rewards_B, cfg)
+    metrics.update({**mismatch, **corr, **kl, "perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
+    forced = {"none": None, "old": old_trace, "rollout": batch.trace}[cfg.rl.replay]
     return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
                     is_weights_BT)
 
@@ -180,18 +215,18 @@ def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tens
     return out
 
 
-def _loss_terms(policy, ref_model, data: StepData, rows, cfg: RunConfig,
+def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: RunConfig,
                 shift: RouterShift | None = None) -> tuple[torch.Tensor, dict]:
     """Forward one minibatch (routing regime already in force) and return the total loss and its metrics."""
     rl, b = cfg.rl, data.batch
-    ids, attn, mask = b.input_ids_BS[rows], b.attention_mask_BS[rows], b.response_mask_BT[rows]
+    ids, attn, mask = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B], b.response_mask_BT[idx_B]
     out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
     logp_BT = token_logprobs(out.logits, ids, rl.temperature)
     gamma_BT = shift.gamma_BT() if shift is not None else None  # this forward's router vs the old routing's
     low, high = resolved_clip(rl)
-    is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[rows]
+    is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[idx_B]
     # router_gamma_BT: RSPO's router-shift weight; every other objective ignores it.
-    loss, metrics = policy_loss(logp_BT, data.logp_old_BT[rows], data.adv_B[rows], mask, algo=rl.algo,
+    loss, metrics = policy_loss(logp_BT, data.logp_old_BT[idx_B], data.adv_B[idx_B], mask, algo=rl.algo,
                                 clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
                                 norm_len=data.norm_len, sapo_tau_pos=rl.sapo_tau_pos, sapo_tau_neg=rl.sapo_tau_neg,
                                 rspo_floor=rl.rspo_floor, router_gamma_BT=gamma_BT, is_weights_BT=is_weights_BT)
@@ -217,24 +252,25 @@ def _backward(policy, loss: torch.Tensor, grad_clip: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
 
 
-def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg: RunConfig, step: int,
+def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cfg: RunConfig, step: int,
            update_idx: int) -> dict[str, float]:
-    """One optimizer step on one minibatch; returns its metrics (the row of the results table)."""
+    """One optimizer step on the minibatch idx_B (indices into the rollout batch); returns its metrics (the
+    update's row of the results table)."""
     t0 = time.perf_counter()
     lr = set_lr(optimizer, cfg.rl, update_idx)
     gen = _noise_gen(cfg.seed, step, 1 + update_idx)
     optimizer.zero_grad(set_to_none=True)
     # backward runs inside the routing context: under gradient checkpointing the recomputed forward
     # must see the same forced routing.
-    forced = data.forced_trace[rows] if data.forced_trace is not None else None
-    ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[rows]
-    mask = data.batch.response_mask_BT[rows]
+    forced = data.forced_trace[idx_B] if data.forced_trace is not None else None
+    ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[idx_B]
+    mask = data.batch.response_mask_BT[idx_B]
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
     with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
-            loss, metrics = _loss_terms(policy, ref_model, data, rows, cfg, shift)
+            loss, metrics = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
     if math.isfinite(grad_norm):
         optimizer.step()
@@ -245,7 +281,7 @@ def update(policy, ref_model, optimizer, data: StepData, rows: torch.Tensor, cfg
     return metrics
 
 
-def minibatch_rows(n: int, minibatches: int, seed: int, step: int, epoch: int = 0) -> list[torch.Tensor]:
+def minibatch_indices(n: int, minibatches: int, seed: int, step: int, epoch: int = 0) -> list[torch.Tensor]:
     """A seeded shuffle of the rollout batch split into equal minibatches; each epoch has its own order.
 
     Epoch 0 keeps the salt of single-epoch runs, so rl.epochs=1 draws exactly the permutation it always did.
@@ -260,11 +296,11 @@ def updates_per_step(cfg: RunConfig) -> int:
 
 
 def _schedule(n: int, cfg: RunConfig, step: int, first_update: int):
-    """(epoch, minibatch, update index, rows) of every update of one step, in order."""
+    """(epoch, minibatch, update index, idx_B) of every update of one step, in order."""
     mb = cfg.rl.minibatches
     for epoch in range(cfg.rl.epochs):
-        for m, idx in enumerate(minibatch_rows(n, mb, cfg.seed, step, epoch)):
-            yield epoch, m, first_update + epoch * mb + m, idx
+        for m, idx_B in enumerate(minibatch_indices(n, mb, cfg.seed, step, epoch)):
+            yield epoch, m, first_update + epoch * mb + m, idx_B
 
 
 def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
@@ -274,8 +310,8 @@ def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, 
     data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
     rows = []
     n = data.batch.input_ids_BS.shape[0]
-    for epoch, m, u, idx in _schedule(n, cfg, step, first_update):
-        metrics = update(policy, ref_model, optimizer, data, idx, cfg, step, u)
+    for epoch, m, u, idx_B in _schedule(n, cfg, step, first_update):
+        metrics = update(policy, ref_model, optimizer, data, idx_B, cfg, step, u)
         rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **data.batch_metrics, **metrics})
         if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
             break

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,32 @@ from moe_lab.rollout import accuracy
 from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text, config_state
 from moe_lab.step import rl_step, updates_per_step
 from moe_lab.tasks import get_task, load_tokenizer
+
+
+@dataclass
+class TrainState:
+    """Where a run stands: the keys of the checkpoint's state.json (read and written unchanged, so every
+    existing checkpoint resumes). rows/eval_rows count the rows of metrics.parquet/eval.parquet committed."""
+
+    step: int = 0  # next RL step to run
+    rows: int = 0
+    eval_rows: int = 0
+    wall_s: float = 0.0  # training wall time summed over sessions
+    extra: dict = field(default_factory=dict)  # other state.json keys (world_size, tables), kept as read
+
+    FIELDS = ("step", "rows", "eval_rows", "wall_s")
+
+    @classmethod
+    def from_dict(cls, state: dict | None) -> "TrainState":
+        """The state of a checkpoint.load() result; None (no checkpoint) is a fresh run."""
+        if state is None:
+            return cls()
+        return cls(**{k: state[k] for k in cls.FIELDS},
+                   extra={k: v for k, v in state.items() if k not in cls.FIELDS})
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "rows": self.rows, "eval_rows": self.eval_rows, "wall_s": self.wall_s,
+                **self.extra}
 
 
 def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
@@ -122,23 +149,22 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     log = RunLog(run_dir, run_info(cfg, run_id, arm))
     task, policy, rollout_policy, ref_model, optimizer = _setup(cfg, progress)
     torch.manual_seed(cfg.seed)  # after setup: loading or warming up the model may consume random numbers
-    state = checkpoint.load(run_dir / "checkpoint", policy, optimizer) or {"step": 0, "rows": 0, "eval_rows": 0,
-                                                                          "wall_s": 0.0}
+    state = TrainState.from_dict(checkpoint.load(run_dir / "checkpoint", policy, optimizer))
     lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
-    log.load(state["rows"], state["eval_rows"])
-    log.write_manifest(STATUS_RUNNING, resumed_from_step=state["step"], **_health(cfg, log).manifest())
+    log.load(state.rows, state.eval_rows)
+    log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **_health(cfg, log).manifest())
     reason = _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log, state, run_dir, progress, lagged)
     status = STATUS_FAILED if reason else STATUS_DONE
     log.flush()
-    log.write_manifest(status, reason, steps_done=state["step"], wall_s=state["wall_s"], **_health(cfg, log).manifest())
+    log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **_health(cfg, log).manifest())
     return status
 
 
-def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, state: dict, run_dir: Path,
+def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, state: TrainState, run_dir: Path,
           progress: bool, lagged: collections.deque) -> str:
     eval_prompts = task.eval_prompts()
     run_health = _health(cfg, log)
-    steps = range(state["step"], cfg.rl.steps)
+    steps = range(state.step, cfg.rl.steps)
     bar = _progress(steps, progress, log.info["run_id"])
     for step in bar:
         t0 = time.perf_counter()
@@ -149,18 +175,18 @@ def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, 
         rows = rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg, step, step_prompts(task, cfg, step),
                        first_update=step * updates_per_step(cfg))
         _push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
-        state["wall_s"] += time.perf_counter() - t0
+        state.wall_s += time.perf_counter() - t0
         for r in rows:
-            log.add({**r, "perf/wall_s": state["wall_s"]})
-        state["step"] = step + 1
+            log.add({**r, "perf/wall_s": state.wall_s})
+        state.step = step + 1
         reason, run_health = _failure(rows, run_health, cfg.rl)
         if reason:
             return reason
-        if state["step"] % cfg.rl.checkpoint_every == 0 or state["step"] == cfg.rl.steps:
-            if state["step"] == cfg.rl.steps:
-                log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state["step"]))
-            state["rows"], state["eval_rows"] = log.flush()
-            checkpoint.save(run_dir / "checkpoint", policy, optimizer, state, snapshots=list(lagged))
+        if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
+            if state.step == cfg.rl.steps:
+                log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
+            state.rows, state.eval_rows = log.flush()
+            checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
     return ""
 
 

@@ -25,7 +25,7 @@ import yaml
 
 from moe_lab import health
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
-from moe_lab.distributed import (check_data_parallel, combine_metrics, group_minibatch_rows, rank_groups,
+from moe_lab.distributed import (check_data_parallel, combine_metrics, group_minibatch_indices, rank_groups,
                                  _resume_state)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,13 +166,13 @@ def _children_running_moe_lab(root_pid: int) -> list[int]:
 def test_minibatches_do_not_depend_on_the_split():
     """Global minibatch m = the same sequences, whether one rank holds all groups or two hold half each."""
     G, M, n = 4, 2, 4
-    one = group_minibatch_rows(rank_groups(n, 0, 1), G, M, seed=3, step=5)
+    one = group_minibatch_indices(rank_groups(n, 0, 1), G, M, seed=3, step=5)
     for m in range(M):
         split = []
         for rank in range(2):
             groups = rank_groups(n, rank, 2)
-            rows = group_minibatch_rows(groups, G, M, seed=3, step=5)[m]
-            split += (rows + groups.start * G).tolist()  # local row -> global row
+            idx_B = group_minibatch_indices(groups, G, M, seed=3, step=5)[m]
+            split += (idx_B + groups.start * G).tolist()  # local index -> global index
         assert sorted(split) == sorted(one[m].tolist())
         assert len(one[m]) == n * G // M
 
@@ -206,9 +206,9 @@ def test_combined_ess_equals_the_whole_batch_ess():
     old_BT, roll_BT = -torch.rand(6, 9, generator=g) * 3, -torch.rand(6, 9, generator=g) * 3
     _, whole = rollout_correction(old_BT, roll_BT, mask_BT, mode="tis_token")
     parts = []
-    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
-        _, m = rollout_correction(old_BT[rows], roll_BT[rows], mask_BT[rows], mode="tis_token")
-        parts.append(({k: float(v) for k, v in m.items()}, 1.0, float(mask_BT[rows].sum())))
+    for part in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        _, m = rollout_correction(old_BT[part], roll_BT[part], mask_BT[part], mode="tis_token")
+        parts.append(({k: float(v) for k, v in m.items()}, 1.0, float(mask_BT[part].sum())))
     out = combine_metrics(parts)
     for key in ("rollout_corr/ess", "rollout_corr/weight_mean", "rollout_corr/weight_max",
                 "rollout_corr/truncated_frac"):
@@ -231,11 +231,12 @@ def test_what_cannot_split_is_refused_in_one_line(override, field):
 def test_checkpoint_of_other_world_size_is_refused(monkeypatch, tmp_path):
     from moe_lab import distributed
 
-    monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {"step": 2, "rows": 4, "world_size": 2})
-    assert _resume_state(tmp_path, None, None, 2)["step"] == 2
+    saved = {"step": 2, "rows": 4, "eval_rows": 1, "wall_s": 0.5}
+    monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {**saved, "world_size": 2})
+    assert _resume_state(tmp_path, None, None, 2).to_dict() == {**saved, "world_size": 2}
     with pytest.raises(ConfigError, match="world size 2; resuming it with world size 1"):
         _resume_state(tmp_path, None, None, 1)
-    monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {"step": 2, "rows": 4})
+    monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: saved)
     with pytest.raises(ConfigError, match="single-process run"):
         _resume_state(tmp_path, None, None, 1)
 

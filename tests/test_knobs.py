@@ -24,7 +24,7 @@ from moe_lab.models import load_model
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import forward_logits, token_logprobs
 from moe_lab.routing import load_metrics, record
-from moe_lab.step import minibatch_rows
+from moe_lab.step import minibatch_indices
 from moe_lab.tasks import get_task, load_tokenizer
 from moe_lab.train import train
 
@@ -71,9 +71,9 @@ def test_epochs_times_minibatches_optimizer_steps_per_batch(tmp_path, monkeypatc
 
 
 def test_each_epoch_reshuffles_and_epoch_zero_keeps_the_single_epoch_order():
-    first = minibatch_rows(16, 4, seed=3, step=5)
-    assert all(torch.equal(a, b) for a, b in zip(first, minibatch_rows(16, 4, 3, 5, epoch=0)))
-    perms = [torch.cat(minibatch_rows(16, 4, 3, 5, epoch=e)) for e in range(3)]
+    first = minibatch_indices(16, 4, seed=3, step=5)
+    assert all(torch.equal(a, b) for a, b in zip(first, minibatch_indices(16, 4, 3, 5, epoch=0)))
+    perms = [torch.cat(minibatch_indices(16, 4, 3, 5, epoch=e)) for e in range(3)]
     for p in perms:
         assert sorted(p.tolist()) == list(range(16))
     assert not torch.equal(perms[0], perms[1]) and not torch.equal(perms[1], perms[2])

@@ -110,11 +110,11 @@ def test_generate_trace_equals_teacher_forced_trace_with_left_padding(family):
 def test_minibatch_slices_stay_aligned():
     model, x = tiny_model("qwen3_moe"), tokens(B=4)
     trace, _ = recorded(model, x)
-    rows = torch.tensor([2, 0])
-    part, _ = recorded(model, x[rows])
-    assert torch.equal(trace[rows].indices, part.indices)
-    with torch.no_grad(), replay(model, trace[rows]) as handle:
-        model(x[rows])
+    idx_B = torch.tensor([2, 0])
+    part, _ = recorded(model, x[idx_B])
+    assert torch.equal(trace[idx_B].indices, part.indices)
+    with torch.no_grad(), replay(model, trace[idx_B]) as handle:
+        model(x[idx_B])
     assert torch.equal(handle.latent.indices, part.indices)
     joined = Trace.cat([trace[:2], trace[2:]])
     assert torch.equal(joined.indices, trace.indices) and torch.equal(joined.weights, trace.weights)

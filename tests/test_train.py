@@ -19,7 +19,7 @@ from moe_lab import health
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
 from moe_lab.experiment import expand
 from moe_lab.runner import run_experiment
-from moe_lab.train import train
+from moe_lab.train import TrainState, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
@@ -235,3 +235,15 @@ def test_existing_run_folder_is_not_overwritten_silently(tmp_path):
     lines = []
     run_experiment(exp, tmp_path / "e", jobs=1, progress=False, echo=lines.append)
     assert "1 done" in lines[0]
+
+
+def test_train_state_reads_and_writes_the_same_state_json_keys():
+    """Checkpoint compatibility: a fresh state is the dict runs always wrote; a saved state (with the keys other
+    writers add, world_size and tables) comes back unchanged, key order included."""
+    assert TrainState().to_dict() == {"step": 0, "rows": 0, "eval_rows": 0, "wall_s": 0.0}
+    saved = {"step": 4, "rows": 8, "eval_rows": 2, "wall_s": 1.5, "world_size": 2,
+             "tables": {"metrics.parquet": {"rows": 8, "sha256": "ab"}}}
+    state = TrainState.from_dict(saved)
+    assert (state.step, state.rows, state.eval_rows, state.wall_s) == (4, 8, 2, 1.5)
+    assert list(state.to_dict().items()) == list(saved.items())
+    assert TrainState.from_dict(None) == TrainState()

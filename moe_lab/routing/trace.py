@@ -30,7 +30,7 @@ def index_dtype(num_experts: int) -> torch.dtype:
 
 
 class Trace:
-    """Routing of one batch. Built by record(); slice rows with ``trace[rows]``; join with ``Trace.cat``."""
+    """Routing of one batch. Built by record(); select batch rows with ``trace[idx_B]``; join with ``Trace.cat``."""
 
     def __init__(self, indices: Tensor, weights: Tensor | None = None, *, num_experts: int, family: str,
                  router_logp: Tensor | None = None):
