@@ -190,6 +190,7 @@ def _numeric_or_none(values: pd.Series) -> bool:
 
 
 def _derived(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()  # one consolidated block: the column inserts below would otherwise warn of fragmentation
     for col in frame.columns[frame.dtypes == object]:
         if _numeric_or_none(frame[col]):  # an optional number (rl.clip_low: None or a float): NaN stands for None
             frame[col] = frame[col].astype(float)
