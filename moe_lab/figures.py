@@ -15,11 +15,12 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab import plots, results, stability
+from moe_lab import plots, results, stability, stability_plots
+from moe_lab.constants import PPO_CLIP_ALGOS
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
-                "clip_sweep", "volatility_sweep", "survival", "atlas")
+                "clip_sweep", "volatility_sweep", "survival", "atlas", "head_to_head")
 DPI = 100
 
 
@@ -62,6 +63,8 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
     atlas = bool((design or {}).get("factors")) or is_atlas(metrics)
     if atlas and _has(metrics, "ratio/token_var", "routing/expert_change"):
         plan["atlas"] = lambda: plots.atlas(metrics, evals, design=design)
+    if is_head_to_head(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
+        plan["head_to_head"] = lambda: stability_plots.head_to_head(metrics, evals)
     return plan
 
 
@@ -73,6 +76,15 @@ def _design(results_dir: Path) -> dict | None:
         return load_yaml(str(results_dir / "experiment.yaml"))
     except (OSError, ConfigError):
         return None
+
+
+def is_head_to_head(df: pd.DataFrame) -> bool:
+    """A comparison of stabilizers: some arm runs an objective beyond the PPO-clip family or a rollout
+    correction (experiments/stabilizers.yaml), and no arm is a factor level (an atlas)."""
+    if "algo" not in df or (_has(df, "factor") and df["factor"].notna().any()):
+        return False
+    corrected = df["rl.rollout_correction"].fillna("none") != "none" if "rl.rollout_correction" in df else False
+    return bool((~df["algo"].isin(PPO_CLIP_ALGOS) | corrected).any())
 
 
 def is_atlas(df: pd.DataFrame, reference: str = stability.ATLAS_REFERENCE) -> bool:

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.results import (Z975, _check_columns, _run_keys, arm_factor_level, base_arm, final_values,
-                             last_frac_means)
+from moe_lab.results import (Z975, _check_columns, _group_ci, _run_keys, arm_factor_level, base_arm,
+                             final_values, last_frac_means)
 
 # --------------------------------------------------------------------------- collapse
 
@@ -193,3 +193,38 @@ def _with_labels(frame: pd.DataFrame) -> pd.DataFrame:
         return frame
     factor_level = frame["arm"].map(arm_factor_level)
     return frame.assign(arm_base=frame["arm"].map(base_arm), factor=factor_level.str[0], level=factor_level.str[1])
+
+
+# ---------------------------------------------------------------- head to head (experiments/stabilizers.yaml)
+
+# (column of arm_table, source metric, how each run reduces it) -- see docs/metrics.md, "head to head".
+ARM_TABLE_METRICS = (("reward", "reward/mean", "last"), ("expert_change", "_change", "last"),
+                     ("router_shift", "routing/router_shift", "last"), ("clip_active", "clip_frac/active", "last"),
+                     ("clip_out", "clip_frac/out_of_range", "last"), ("ratio_var_p99", "ratio/token_var", "p99"))
+
+
+def arm_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, last_frac: float = 0.25) -> pd.DataFrame:
+    """One row per arm, each quantity the mean over its runs (seeds) with a 95% t-interval (q, q_lo, q_hi):
+    acc_greedy (final evaluation); reward, expert_change (the router's own choice: routing/expert_change_latent
+    where logged, else routing/expert_change), router_shift, clip_active, clip_out (means over the last
+    ``last_frac`` of each run's steps); ratio_var_p99 (each run's 99th percentile of its minibatch
+    ratio/token_var). Plus collapses, collapse_rate and its Wilson interval, collapse_step_median."""
+    _check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
+    change = metrics_df["routing/expert_change"]
+    if "routing/expert_change_latent" in metrics_df:
+        change = metrics_df["routing/expert_change_latent"].fillna(change)
+    m = metrics_df.assign(_change=change)
+    keys = list(dict.fromkeys(["arm", *_run_keys(m)]))
+    last = [src for _, src, how in ARM_TABLE_METRICS if how == "last"]
+    per_run = last_frac_means(m, last, ["arm"], last_frac).set_index(keys)
+    per_run["ratio/token_var"] = m.groupby(keys, dropna=False, sort=True)["ratio/token_var"].quantile(0.99)
+    per_run = per_run.rename(columns={src: col for col, src, _ in ARM_TABLE_METRICS})
+    cols = [col for col, _, _ in ARM_TABLE_METRICS]
+    if len(eval_df):
+        per_run["acc_greedy"] = final_values(eval_df, ["eval/acc_greedy"], ["arm"]).set_index(keys)["eval/acc_greedy"]
+    else:
+        per_run["acc_greedy"] = math.nan
+    per_run = per_run.reset_index()
+    table = _group_ci(per_run, ["acc_greedy", *cols], ["arm"])
+    table.insert(0, "runs", per_run.groupby("arm", sort=True).size())
+    return table.join(collapse_stats(m, ["arm"]), how="left").reset_index()

@@ -344,3 +344,41 @@ def test_atlas_of_a_factors_design_puts_the_shared_base_on_every_axis(tmp_path):
     assert (table.loc[table["arm_base"] == "grpo_r2", "acc_gap"] == 0).all()
     fig = plots.atlas(metrics, evals, design=design)
     assert [ax.get_title() for ax in np.array(fig.axes).reshape(3, 2)[0]] == ["noise", "lag"]
+
+
+def test_arm_table_equals_hand_computed_per_run_reductions(tmp_path):
+    arms = {**PAPER_ARMS, "sapo": {"rl": {"algo": "sapo"}}, "grpo_icepop": {
+        "rl": {"algo": "grpo", "rollout_correction": "icepop", "rollout_dtype": "bfloat16"}}}
+    metrics, evals = results.load_runs(write_experiment(tmp_path / "h2h", arms, seeds=(0, 1, 2), steps=8))
+    metrics["routing/router_shift"] = np.linspace(0.0, 1.0, len(metrics))  # synthetic runs do not log it
+    table = stability.arm_table(metrics, evals).set_index("arm")
+    for arm in ("grpo", "sapo"):
+        runs = metrics[metrics["arm"] == arm]
+        p99 = [g["ratio/token_var"].quantile(0.99) for _, g in runs.groupby("run_id")]
+        late = runs[runs["step"] >= 6]  # the last 25% of 8 steps
+        change = late.groupby("run_id")["routing/expert_change_latent"].mean()
+        shift = late.groupby("run_id")["routing/router_shift"].mean()
+        final = evals[(evals["arm"] == arm) & (evals["step"] == evals["step"].max())]["eval/acc_greedy"]
+        for col, values in (("ratio_var_p99", p99), ("expert_change", change), ("router_shift", shift),
+                            ("acc_greedy", final)):
+            mean, lo, hi = results.mean_ci(values)
+            assert table.loc[arm, [col, f"{col}_lo", f"{col}_hi"]].tolist() == pytest.approx([mean, lo, hi])
+        assert table.loc[arm, "runs"] == 3 and table.loc[arm, "collapse_rate"] == 0
+
+
+def test_head_to_head_bars_show_the_arm_table(tmp_path):
+    arms = {**PAPER_ARMS, "cispo": {"rl": {"algo": "cispo"}}}
+    metrics, evals = results.load_runs(write_experiment(tmp_path / "h2h", arms, seeds=(0, 1), steps=4))
+    metrics["routing/router_shift"] = 0.01
+    from moe_lab import stability_plots
+
+    fig = stability_plots.head_to_head(metrics, evals)
+    table = stability.arm_table(metrics, evals).set_index("arm")
+    order = plots.arm_order(metrics["arm"].unique())
+    for ax, (col, _, _) in zip(fig.axes[1:], stability_plots.H2H_PANELS):
+        widths = [patch.get_width() for patch in ax.patches]
+        assert widths == pytest.approx(list(np.nan_to_num(table.loc[order, col].to_numpy(float))))
+        assert [t.get_text() for t in ax.get_yticklabels()] == [plots.arm_label(a) for a in order]
+    assert "head_to_head" in figures.planned_figures(metrics, evals)
+    paper = metrics[metrics["arm"].isin(PAPER_ARMS)]
+    assert "head_to_head" not in figures.planned_figures(paper, evals)  # the main job is no stabilizer match
