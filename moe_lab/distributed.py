@@ -415,6 +415,8 @@ def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, l
         state.step = step + 1
         reason, run_health = T._failure(rows, run_health, cfg.rl)  # same rows on every rank: all stop together
         if reason:
+            if log:  # as train._loop: the final accuracy is the stopped policy's
+                log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, state.step))
             return reason
         if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
             if log:

@@ -389,37 +389,53 @@ ATLAS_ROWS = (("expert_change", "expert change per update\n(last 25% of updates)
               ("acc_gap", "final greedy accuracy\nminus {ref}'s", False))
 
 
+ATLAS_WRAP = 6
+
+
+def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str, first: bool) -> None:
+    """One factor's three panels (ATLAS_ROWS), top to bottom."""
+    ticks = sub.drop_duplicates("level_index").sort_values("level_index")
+    for i, (col, ylabel, log) in enumerate(ATLAS_ROWS):
+        ax = axes[i]
+        for arm in arm_order(sub["arm_base"].astype(str).unique()):
+            rows = sub[sub["arm_base"] == arm].sort_values("level_index")
+            ax.plot(rows["level_index"], rows[col], marker="o", color=arm_color(arm), label=arm_label(arm))
+        ax.set_xticks(ticks["level_index"].to_numpy(), ticks["level"].astype(str).tolist())
+        values = sub[col].to_numpy(float)
+        if log and (values[np.isfinite(values)] > 0).all() and np.isfinite(values).any():
+            ax.set_yscale("log")
+        if col == "acc_gap":
+            ax.axhline(0.0, color="0.5", linewidth=0.8)
+        if i == 0:
+            ax.set_title(factor)
+        if i == len(ATLAS_ROWS) - 1:
+            ax.set_xlabel("level")
+        if first:
+            ax.set_ylabel(ylabel.format(ref=arm_label(reference)))
+
+
 @styled
 def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = stability.ATLAS_REFERENCE,
           levels: dict[str, Sequence] | None = None, design: dict | None = None) -> Figure:
-    """The stability atlas (stability.atlas_table): one column per factor, rows = expert change per update,
+    """The stability atlas (stability.atlas_table): one column per factor (wrapped every ATLAS_WRAP factors
+    into another block of rows), rows = expert change per update,
     p99 of minibatch token-ratio variance, and the final greedy-accuracy gap to the reference arm at the same
     level; x = the factor's levels (categorical, in level order), one line per base arm."""
     table = stability.atlas_table(metrics_df, eval_df, reference=reference, levels=levels, design=design)
     factors = list(dict.fromkeys(table["factor"]))
     if not factors:
         raise ValueError("atlas: no arm carries a '<arm>__<factor>=<level>' label")
-    fig, axes = _figure(len(factors), len(ATLAS_ROWS), width=2.8, height=2.3)
+    # Wrap long designs (the shipped atlas has 12 factors) into blocks of ATLAS_WRAP columns.
+    ncols = min(len(factors), ATLAS_WRAP)
+    blocks = -(-len(factors) // ncols)
+    fig, axes = _figure(ncols, len(ATLAS_ROWS) * blocks, width=2.8, height=2.3)
     for j, factor in enumerate(factors):
-        sub = table[table["factor"] == factor]
-        ticks = sub.drop_duplicates("level_index").sort_values("level_index")
-        for i, (col, ylabel, log) in enumerate(ATLAS_ROWS):
-            ax = axes[i, j]
-            for arm in arm_order(sub["arm_base"].astype(str).unique()):
-                rows = sub[sub["arm_base"] == arm].sort_values("level_index")
-                ax.plot(rows["level_index"], rows[col], marker="o", color=arm_color(arm), label=arm_label(arm))
-            ax.set_xticks(ticks["level_index"].to_numpy(), ticks["level"].astype(str).tolist())
-            values = sub[col].to_numpy(float)
-            if log and (values[np.isfinite(values)] > 0).all() and np.isfinite(values).any():
-                ax.set_yscale("log")
-            if col == "acc_gap":
-                ax.axhline(0.0, color="0.5", linewidth=0.8)
-            if i == 0:
-                ax.set_title(factor)
-            if i == len(ATLAS_ROWS) - 1:
-                ax.set_xlabel("level")
-            if j == 0:
-                ax.set_ylabel(ylabel.format(ref=arm_label(reference)))
+        block, c = divmod(j, ncols)
+        _atlas_column(axes[block * len(ATLAS_ROWS):(block + 1) * len(ATLAS_ROWS), c],
+                      table[table["factor"] == factor], factor, reference, first=c == 0)
+    for ax in axes.flat:
+        if not ax.has_data():
+            ax.set_visible(False)
     _all_handles(fig, axes)
     fig.suptitle("Stability atlas: one factor at a time (mean over seeds per cell)")
     return fig

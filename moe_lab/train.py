@@ -181,6 +181,9 @@ def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, 
         state.step = step + 1
         reason, run_health = _failure(rows, run_health, cfg.rl)
         if reason:
+            # The final accuracy of a stopped run must be the policy it stopped with, not its last
+            # scheduled evaluation from before the collapse.
+            log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
             return reason
         if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
             if state.step == cfg.rl.steps:

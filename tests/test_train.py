@@ -213,6 +213,9 @@ def test_soft_collapse_is_recorded_and_stops_the_run_only_when_asked(tmp_path):
     assert stopped["collapsed_at"] == expected.collapsed_at and stopped["steps_done"] == expected.collapsed_at + 1
     cut = _table(tmp_path / "go_on")
     pd.testing.assert_frame_equal(_table(tmp_path / "stop"), cut[cut["step"] <= expected.collapsed_at])
+    # the stopped run's last evaluation is of the policy it stopped with, at the step after its last update
+    evals = pd.read_parquet(tmp_path / "stop" / "eval.parquet")
+    assert evals["step"].tolist()[-1] == expected.collapsed_at + 1
 
 
 
