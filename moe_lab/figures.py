@@ -41,6 +41,10 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
     """Name -> builder of every figure these frames support, in FIGURE_NAMES order. ``design``: the
     experiment as run (its experiment.yaml); a ``factors`` block there makes the folder an atlas."""
     plan: dict[str, Callable[[], Figure]] = {}
+    if (design or {}).get("factors"):  # an atlas: per-arm curves (or survival) of ~80 cells would be unreadable
+        if _has(metrics, "ratio/token_var", "routing/expert_change"):
+            plan["atlas"] = lambda: plots.atlas(metrics, evals, design=design)
+        return plan
     if _has(metrics, "clip_frac/out_of_range", "clip_frac/active"):
         plan["clip_fraction"] = lambda: plots.clip_fraction(metrics)
     if _has(metrics, "reward/mean"):

@@ -382,3 +382,12 @@ def test_head_to_head_bars_show_the_arm_table(tmp_path):
     assert "head_to_head" in figures.planned_figures(metrics, evals)
     paper = metrics[metrics["arm"].isin(PAPER_ARMS)]
     assert "head_to_head" not in figures.planned_figures(paper, evals)  # the main job is no stabilizer match
+
+
+def test_a_factors_design_gets_only_the_atlas(tmp_path):
+    arms = {f"{a}__base": PAPER_ARMS[a] for a in ("grpo", "grpo_r2")}
+    arms.update({f"{a}__noise=0.1": {"rl": {**PAPER_ARMS[a]["rl"], "router_noise": 0.1}} for a in ("grpo", "grpo_r2")})
+    metrics, evals = results.load_runs(write_experiment(tmp_path / "f", arms, seeds=(0,), steps=4, layers=2))
+    design = {"factors": {"noise": {"0": {}, "0.1": {"rl.router_noise": 0.1}}}}
+    assert list(figures.planned_figures(metrics, evals, design)) == ["atlas"]
+    assert "reward_curves" in figures.planned_figures(metrics, evals)  # without the design: per-arm figures too
