@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from moe_lab import stability
 from moe_lab.plots import (_arms, _figure, _positive_floor, arm_color, arm_label, curves, figure_legend,
@@ -38,6 +39,7 @@ def _bars(ax, table: pd.DataFrame, arms: Sequence[str], col: str, label: str, lo
     ax.set(xlabel=label)
     if log and np.nanmax(np.nan_to_num(mean)) > 0:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels of a short log range overprint
 
 
 @styled
