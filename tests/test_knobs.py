@@ -7,19 +7,17 @@ import copy
 import dataclasses
 import hashlib
 import json
-import signal
-import time
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_train import TIMING, _launch, _table, tiny
+from test_train import kill_and_resume, tiny
 
 from moe_lab import step as step_mod
 from moe_lab import train as train_mod
 from moe_lab.coldstart import FORMAT_VERSION, cache_key, cold_start, demonstration_batch
-from moe_lab.config import ConfigError, dump_yaml, validate
+from moe_lab.config import ConfigError, validate
 from moe_lab.models import load_model
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import forward_logits, token_logprobs
@@ -172,24 +170,8 @@ def test_r2_first_update_of_every_batch_is_on_policy_under_every_knob(tmp_path, 
 def test_sigkill_resume_reproduces_the_table_with_the_knobs_on(tmp_path):
     cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.replay=old", "rl.eval_every=3",
                "rl.epochs=2", "rl.rollout_lag=1", "rl.train_dtype=bfloat16")
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(dump_yaml(cfg))
-    train(cfg, tmp_path / "ref", run_id="k")
-    proc = _launch(cfg_path, tmp_path / "killed")
-    marker = tmp_path / "killed" / "checkpoint" / "state.json"
-    deadline = time.time() + 120
-    while not marker.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert marker.exists(), "the run never reached its first checkpoint"
-    assert (marker.parent / "lagged.safetensors").is_file(), "the lagged rollout weights were not checkpointed"
-    assert _rows(tmp_path / "killed")["step"].max() < cfg.rl.steps - 1, "killed too late to test resuming"
-    train(cfg, tmp_path / "killed", run_id="k")
-    pd.testing.assert_frame_equal(_table(tmp_path / "ref"), _table(tmp_path / "killed"))
-    pd.testing.assert_frame_equal(
-        pd.read_parquet(tmp_path / "ref" / "eval.parquet").drop(columns=TIMING, errors="ignore"),
-        pd.read_parquet(tmp_path / "killed" / "eval.parquet").drop(columns=TIMING, errors="ignore"))
+    checkpointed = kill_and_resume(cfg, tmp_path)
+    assert "lagged.safetensors" in checkpointed, "the lagged rollout weights were not checkpointed"
 
 
 # --------------------------------------------------------------------------- cold-start load balancing

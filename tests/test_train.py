@@ -163,14 +163,12 @@ def _launch(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-@pytest.mark.parametrize("overrides", [("rl.replay=rollout",),
-                                       # a new objective with rollout correction: nothing of either lives outside the checkpoint
-                                       ("rl.algo=sapo", "rl.rollout_correction=icepop", "rl.rollout_dtype=bfloat16")])
-def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides):
+def kill_and_resume(cfg, tmp_path: Path) -> Path:
+    """Run cfg uninterrupted into tmp_path/ref, then in a subprocess SIGKILLed at its first checkpoint and
+    resumed in-process into tmp_path/killed; assert both tables (timing aside) are equal. Returns the
+    names of the files the killed run's checkpoint held when it was killed."""
     from moe_lab.config import dump_yaml
 
-    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.eval_every=3", *overrides,
-               *HAIR_TRIGGER)  # the health state must survive the resume too
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(dump_yaml(cfg))
     train(cfg, tmp_path / "ref", run_id="k")  # also warms the cold-start cache
@@ -184,10 +182,21 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides)
     assert marker.exists(), "the run never reached its first checkpoint"
     done_steps = pd.read_parquet(tmp_path / "killed" / "metrics.parquet")["step"].max()
     assert done_steps < cfg.rl.steps - 1, "killed too late to test resuming"
+    checkpointed = {p.name for p in marker.parent.iterdir()}
     train(cfg, tmp_path / "killed", run_id="k")
     pd.testing.assert_frame_equal(_table(tmp_path / "ref"), _table(tmp_path / "killed"))
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "ref" / "eval.parquet").drop(columns=TIMING, errors="ignore"),
                                   pd.read_parquet(tmp_path / "killed" / "eval.parquet").drop(columns=TIMING, errors="ignore"))
+    return checkpointed
+
+
+@pytest.mark.parametrize("overrides", [("rl.replay=rollout",),
+                                       # a new objective with rollout correction: nothing of either lives outside the checkpoint
+                                       ("rl.algo=sapo", "rl.rollout_correction=icepop", "rl.rollout_dtype=bfloat16")])
+def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides):
+    cfg = tiny(tmp_path, "rl.steps=8", "rl.checkpoint_every=2", "rl.eval_every=3", *overrides,
+               *HAIR_TRIGGER)  # the health state must survive the resume too
+    kill_and_resume(cfg, tmp_path)
     ref, killed = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("ref", "killed"))
     assert ref["collapsed_at"] is not None and ref["status"] == "done"
     assert (killed["collapsed_at"], killed["collapse_rule"]) == (ref["collapsed_at"], ref["collapse_rule"])
