@@ -43,7 +43,7 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
     plan: dict[str, Callable[[], Figure]] = {}
     if (design or {}).get("factors"):  # an atlas: per-arm curves (or survival) of ~80 cells would be unreadable
         if _has(metrics, "ratio/token_var", "routing/expert_change"):
-            plan["atlas"] = lambda: plots.atlas(metrics, evals, design=design)
+            plan["atlas"] = lambda: stability_plots.atlas(metrics, evals, design=design)
         return plan
     if _has(metrics, "clip_frac/out_of_range", "clip_frac/active"):
         plan["clip_fraction"] = lambda: plots.clip_fraction(metrics)
@@ -63,10 +63,10 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
     # Survival only once some run collapsed: with none, every curve is the line at 1 and the summary's
     # "0/n" collapse rate says the same.
     if _has(metrics, "collapsed_at"):
-        plan["survival"] = lambda: plots.survival(metrics)
+        plan["survival"] = lambda: stability_plots.survival(metrics)
     atlas = bool((design or {}).get("factors")) or is_atlas(metrics)
     if atlas and _has(metrics, "ratio/token_var", "routing/expert_change"):
-        plan["atlas"] = lambda: plots.atlas(metrics, evals, design=design)
+        plan["atlas"] = lambda: stability_plots.atlas(metrics, evals, design=design)
     if is_head_to_head(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
         plan["head_to_head"] = lambda: stability_plots.head_to_head(metrics, evals)
     return plan

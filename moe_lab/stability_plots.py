@@ -1,6 +1,6 @@
-"""The head-to-head figure of experiments/stabilizers.yaml: DataFrame in, Figure out (reads no files).
-
-Kept beside moe_lab/plots.py (whose helpers and arm colours it uses) so that file stays readable.
+"""Figures of collapse and stability: survival, the stability atlas (experiments/atlas.yaml) and the
+head to head of experiments/stabilizers.yaml. DataFrame in, Figure out (reads no files); built on
+moe_lab/plots.py's helpers and arm colours.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from moe_lab import stability
-from moe_lab.plots import (_arms, _figure, _positive_floor, arm_color, arm_label, curves, figure_legend,
-                           styled)
+from moe_lab.plots import (STEP, _arms, _figure, _positive_floor, arm_color, arm_label, arm_linestyle, arm_order,
+                           curves, figure_legend, styled)
 
 # (arm_table column, axis label, log x)
 H2H_PANELS = (("acc_greedy", "final greedy accuracy", False),
@@ -58,4 +58,94 @@ def head_to_head(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, arms: Sequence
         ax.set_visible(False)
     figure_legend(fig, axes[0, 0])
     fig.suptitle("Stabilizers head to head (mean over seeds, 95% intervals)")
+    return fig
+
+
+# --------------------------------------------------------------------------- collapse and the stability atlas
+
+
+def _all_handles(fig: Figure, axes) -> None:
+    """One figure legend from the labelled lines of every panel (a panel may miss an arm), first seen first."""
+    seen = {}
+    for ax in np.ravel(axes):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=min(len(seen), 3) or 1)
+
+
+@styled
+def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Figure:
+    """Share of runs not yet collapsed against the RL step, per arm: the Kaplan-Meier step function of
+    stability.survival_table (a run that ends uncollapsed is censored at its last step)."""
+    if "collapsed_at" not in metrics_df:
+        raise ValueError("survival: the frame has no collapsed_at column (read it with results.load_runs)")
+    arms = _arms(metrics_df, arms)
+    table = stability.survival_table(metrics_df[metrics_df["arm"].isin(arms)])
+    fig, axes = _figure(1, width=5.0)
+    ax = axes[0, 0]
+    for arm in arms:
+        rows = table[table["arm"] == arm]
+        ax.step(rows["step"], rows["survival"], where="post", color=arm_color(arm),
+                linestyle=arm_linestyle(arm, arms), label=arm_label(arm))
+    ax.set(xlabel=STEP, ylabel="share of runs not yet collapsed", ylim=(-0.03, 1.05),
+           title="survival (censored at each run's last step)")
+    figure_legend(fig, ax)
+    fig.suptitle("Collapse survival per arm (rules: moe_lab/health.py)")
+    return fig
+
+
+ATLAS_ROWS = (("expert_change", "expert change per update\n(last 25% of updates)", False),
+              ("ratio_var_p99", "p99 of minibatch\ntoken-ratio variance (log)", True),
+              ("acc_gap", "final greedy accuracy\nminus {ref}'s", False))
+
+
+ATLAS_WRAP = 6
+
+
+def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str, first: bool) -> None:
+    """One factor's three panels (ATLAS_ROWS), top to bottom."""
+    ticks = sub.drop_duplicates("level_index").sort_values("level_index")
+    for i, (col, ylabel, log) in enumerate(ATLAS_ROWS):
+        ax = axes[i]
+        for arm in arm_order(sub["arm_base"].astype(str).unique()):
+            rows = sub[sub["arm_base"] == arm].sort_values("level_index")
+            ax.plot(rows["level_index"], rows[col], marker="o", color=arm_color(arm), label=arm_label(arm))
+        ax.set_xticks(ticks["level_index"].to_numpy(), ticks["level"].astype(str).tolist())
+        values = sub[col].to_numpy(float)
+        if log and (values[np.isfinite(values)] > 0).all() and np.isfinite(values).any():
+            ax.set_yscale("log")
+        if col == "acc_gap":
+            ax.axhline(0.0, color="0.5", linewidth=0.8)
+        if i == 0:
+            ax.set_title(factor)
+        if i == len(ATLAS_ROWS) - 1:
+            ax.set_xlabel("level")
+        if first:
+            ax.set_ylabel(ylabel.format(ref=arm_label(reference)))
+
+
+@styled
+def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = stability.ATLAS_REFERENCE,
+          levels: dict[str, Sequence] | None = None, design: dict | None = None) -> Figure:
+    """The stability atlas (stability.atlas_table): one column per factor (wrapped every ATLAS_WRAP factors
+    into another block of rows), rows = expert change per update,
+    p99 of minibatch token-ratio variance, and the final greedy-accuracy gap to the reference arm at the same
+    level; x = the factor's levels (categorical, in level order), one line per base arm."""
+    table = stability.atlas_table(metrics_df, eval_df, reference=reference, levels=levels, design=design)
+    factors = list(dict.fromkeys(table["factor"]))
+    if not factors:
+        raise ValueError("atlas: no arm carries a '<arm>__<factor>=<level>' label")
+    # Wrap long designs (the shipped atlas has 12 factors) into blocks of ATLAS_WRAP columns.
+    ncols = min(len(factors), ATLAS_WRAP)
+    blocks = -(-len(factors) // ncols)
+    fig, axes = _figure(ncols, len(ATLAS_ROWS) * blocks, width=2.8, height=2.3)
+    for j, factor in enumerate(factors):
+        block, c = divmod(j, ncols)
+        _atlas_column(axes[block * len(ATLAS_ROWS):(block + 1) * len(ATLAS_ROWS), c],
+                      table[table["factor"] == factor], factor, reference, first=c == 0)
+    for ax in axes.flat:
+        if not ax.has_data():
+            ax.set_visible(False)
+    _all_handles(fig, axes)
+    fig.suptitle("Stability atlas: one factor at a time (mean over seeds per cell)")
     return fig

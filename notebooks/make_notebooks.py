@@ -27,7 +27,7 @@ ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moe_lab" / "r
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from moe_lab import figures, plots, results, stability
+from moe_lab import figures, plots, results, stability, stability_plots
 
 REFERENCE = results.reference_dir()  # $MOE_LAB_RESULTS, else results/reference above the working directory
 print("reading results from", REFERENCE)'''
@@ -125,7 +125,7 @@ def show_experiment(name):
     m, e = results.load_runs(folder)
     print(results.format_summary(results.summarize(m, e)))
     display(plots.reward_curves(m, e))
-    display(plots.survival(m))
+    display(stability_plots.survival(m))
     return m, e'''
 
 STABILITY = {
@@ -144,7 +144,7 @@ STABILITY = {
         ("md", "## The atlas\nPer factor level: the router's own expert change per update (last 25% of updates), "
                "the p99 of the minibatch token-ratio variance, and each arm's final greedy accuracy minus "
                "GRPO + R2's at the same level. The base point sits on every factor's axis."),
-        ("code", "plots.atlas(atlas_metrics, atlas_evals, design=design)"),
+        ("code", "stability_plots.atlas(atlas_metrics, atlas_evals, design=design)"),
         ("code", 'table = stability.atlas_table(atlas_metrics, atlas_evals, design=design)\n'
                  'table.pivot_table(index=["factor", "level"], columns="arm_base", values="acc_gap", sort=False)'),
         ("md", "## Where GRPO without replay falls furthest behind GRPO + R2\nOne seed per cell: a ranking "

@@ -56,7 +56,8 @@ def execute(name: str) -> nbformat.NotebookNode:
 def check_outputs(nb: nbformat.NotebookNode) -> None:
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(o.output_type != "error" for c in code for o in c.outputs)
-    figure_cells = [c for c in code if c.source.startswith("plots.") or "\nplots." in c.source]
+    figure_cells = [c for c in code if any(c.source.startswith(m) or f"\n{m}" in c.source
+                                           for m in ("plots.", "stability_plots."))]
     assert figure_cells
     for cell in figure_cells:  # every figure cell really drew a figure
         assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source

@@ -12,7 +12,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 from synthetic import PAPER_ARMS, clip_sweep_arms, volatility_sweep_arms, write_experiment  # noqa: E402
 
-from moe_lab import figures, plots, results, stability  # noqa: E402
+from moe_lab import figures, plots, results, stability, stability_plots  # noqa: E402
 
 LAYERS, STEPS = 3, 5
 PER_STEP_FIGURES = ["clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance"]
@@ -268,7 +268,7 @@ def collapsed(tmp_path_factory):
 
 def test_survival_draws_the_kaplan_meier_steps_per_arm(collapsed):
     metrics, _ = results.load_runs(collapsed)
-    fig = plots.survival(metrics)
+    fig = stability_plots.survival(metrics)
     ax = fig.axes[0]
     assert labels(ax) == ["GRPO", "GSPO"] and ax.get_xlabel() == "RL step" and "not yet collapsed" in ax.get_ylabel()
     grpo, gspo = ax.get_lines()
@@ -296,7 +296,7 @@ def atlas_experiment(root):
 
 def test_atlas_small_multiples_one_column_per_factor(tmp_path):
     metrics, evals = results.load_runs(atlas_experiment(tmp_path / "atlas"))
-    fig = plots.atlas(metrics, evals)
+    fig = stability_plots.atlas(metrics, evals)
     table = stability.atlas_table(metrics, evals)
     axes = np.array(fig.axes).reshape(3, 2)
     assert [ax.get_title() for ax in axes[0]] == ["noise", "router_lr"]
@@ -316,7 +316,7 @@ def test_atlas_small_multiples_one_column_per_factor(tmp_path):
 
 def test_atlas_needs_factor_labels_and_sweeps_are_not_atlases(paper, root):
     with pytest.raises(ValueError, match="label"):
-        plots.atlas(*paper)
+        stability_plots.atlas(*paper)
     assert not figures.is_atlas(results.load_runs(root / "volatility_sweep")[0])
 
 
@@ -342,7 +342,7 @@ def test_atlas_of_a_factors_design_puts_the_shared_base_on_every_axis(tmp_path):
         for col in ("expert_change", "ratio_var_p99", "acc_greedy"):
             assert at[col].to_dict() == pytest.approx(ref[col].to_dict())
     assert (table.loc[table["arm_base"] == "grpo_r2", "acc_gap"] == 0).all()
-    fig = plots.atlas(metrics, evals, design=design)
+    fig = stability_plots.atlas(metrics, evals, design=design)
     assert [ax.get_title() for ax in np.array(fig.axes).reshape(3, 2)[0]] == ["noise", "lag"]
 
 
@@ -370,7 +370,6 @@ def test_head_to_head_bars_show_the_arm_table(tmp_path):
     arms = {**PAPER_ARMS, "cispo": {"rl": {"algo": "cispo"}}}
     metrics, evals = results.load_runs(write_experiment(tmp_path / "h2h", arms, seeds=(0, 1), steps=4))
     metrics["routing/router_shift"] = 0.01
-    from moe_lab import stability_plots
 
     fig = stability_plots.head_to_head(metrics, evals)
     table = stability.arm_table(metrics, evals).set_index("arm")
