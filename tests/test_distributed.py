@@ -119,19 +119,27 @@ def test_other_world_size_is_refused_on_resume(dp_runs):
 @pytest.mark.slow
 def test_resume_after_sigkill_of_one_rank_reproduces_the_table(dp_runs, tmp_path):
     # with rl.rollout_lag the checkpoint carries the lag queue that every rank reloads
-    config = write_config(tmp_path, *CASES[dp_runs[2]], "rl.steps=4", "rl.checkpoint_every=1")
+    config = write_config(tmp_path, *CASES[dp_runs[2]], "rl.steps=8", "rl.checkpoint_every=1")
     whole = tmp_path / "whole"
     assert torchrun(2, config, whole).returncode == 0
     run = tmp_path / "killed"
     proc = torchrun(2, config, run, background=True)
     state = run / "checkpoint" / "state.json"
     deadline = time.time() + 240
-    while time.time() < deadline and not (state.exists() and '"step": 2' in state.read_text()):
-        time.sleep(0.2)
-    assert state.exists(), "no checkpoint appeared"
-    workers = _children_running_moe_lab(proc.pid)
-    assert len(workers) == 2
-    os.kill(workers[-1], signal.SIGKILL)  # one rank dies: torchrun ends the other and fails
+    while time.time() < deadline and proc.poll() is None and not state.exists():
+        time.sleep(0.02)
+    # freeze torchrun and both ranks at once (their own session) so that the kill cannot race the run's end
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        assert state.exists(), "no checkpoint appeared"
+        workers = _children_running_moe_lab(proc.pid)
+        assert len(workers) == 2, f"ranks found under torchrun: {workers}"
+        os.kill(workers[-1], signal.SIGKILL)  # one rank dies: torchrun ends the other and fails
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # a failed test leaves nothing stopped or running
+        raise
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
     proc.wait(timeout=120)
     assert proc.returncode != 0
     partial = pd.read_parquet(run / "metrics.parquet")

@@ -143,14 +143,23 @@ def test_two_concurrent_runners_one_table_and_a_message_from_the_loser(tmp_path,
     out = tmp_path / "out"
     first = subprocess.Popen([sys.executable, "-m", "moe_lab.cli", "run", str(path), "--out", str(out), "--jobs", "1",
                               "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                             start_new_session=True)
     manifest = out / "runs" / "grpo-s0" / "manifest.json"
     deadline = time.time() + 240
     while time.time() < deadline and first.poll() is None and not manifest.exists():
-        time.sleep(0.1)
-    assert first.poll() is None, "the first runner ended before the second could start: raise rl.steps"
-    lines = []
-    second = run_experiment(exp, out, **{**QUIET, "echo": lines.append})
+        time.sleep(0.05)
+    # the first runner and its worker are frozen, lock held, while the second plans: no race with its end
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        assert first.poll() is None, "the first runner ended before the second could start: raise rl.steps"
+        lines = []
+        second = run_experiment(exp, out, **{**QUIET, "echo": lines.append})
+    except BaseException:
+        os.killpg(first.pid, signal.SIGKILL)
+        raise
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
     stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr
     assert second["grpo-s0"].startswith("locked"), second
