@@ -71,7 +71,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, default=3, help="--backend ray: reruns of a cell whose node died")
     p.add_argument("--report-to", default=None, metavar="TRACKER",
                    help="also mirror every metric and eval row to a tracker: tensorboard (event files in "
-                        "OUT/tensorboard/<run_id>; needs the [track] extra)")
+                        "OUT/tensorboard/<run_id>) or wandb (offline unless WANDB_MODE is set, in "
+                        "OUT/wandb/<run_id>); needs the [track] extra")
 
 
 def _run(exp: dict, out: str, args) -> int:

@@ -327,5 +327,5 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     if report_to is not None:
         from moe_lab.tracking import mirror_runs
 
-        mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to)
+        mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to, group=exp.get("name"))
     return statuses

@@ -1,24 +1,43 @@
-"""Mirror a run's tables to an experiment tracker (`--report-to tensorboard`); parquet stays the source of truth.
+"""Mirror a run's tables to an experiment tracker (`--report-to tensorboard|wandb`); parquet stays the source.
 
 The mirror is written from the committed tables after the runs of an invocation end (done, failed or
-resumed), one tracker folder per run: ``<out>/tensorboard/<run_id>/``. Every numeric column of
-metrics.parquet is a scalar at global step ``update`` (one point per minibatch update); every numeric column
-of eval.parquet at step ``step``. Rewriting a run's folder first keeps the mirror equal to the tables after a
-resume. The tracker is an optional extra: ``pip install -e ".[track]"``.
+resumed), one tracker folder per run: ``<out>/<tracker>/<run_id>/``. Every finite numeric column of
+metrics.parquet is a scalar stepped by ``update`` (one point per minibatch update); every one of eval.parquet
+is stepped by ``step``. Rewriting a run's folder first keeps the mirror equal to the tables after a resume.
+
+wandb runs offline unless ``WANDB_MODE`` says otherwise, so that a run needs no account and no network
+(`wandb sync OUT/wandb/<run_id>/wandb/offline-run-*` uploads it later). Its history has one global step,
+so each row carries its x as a value (``update`` for the metrics, ``eval_step`` for the evals) and every
+column is bound to that x with ``define_metric``. With ``WANDB_MODE=online`` each mirroring is a new wandb
+run in the experiment's group (a resumed cell appears twice there; the newest is the whole table).
+The trackers are optional extras: ``pip install -e ".[track]"``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from moe_lab.config import ConfigError
 
-TRACKERS = ("tensorboard",)
 ID_COLUMNS = ("step", "minibatch", "update", "seed")
+# table file -> the column that steps its scalars
+TABLES = {"metrics.parquet": "update", "eval.parquet": "step"}
+EVAL_STEP = "eval_step"  # wandb: the evals' x, apart from `step`, which wandb reserves for its own counter
+
+
+def _check_tensorboard() -> None:
+    from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    import tensorboard  # noqa: F401
+
+
+def _check_wandb() -> None:
+    import wandb  # noqa: F401
 
 
 def check_report_to(name: str) -> None:
@@ -26,50 +45,110 @@ def check_report_to(name: str) -> None:
     if name not in TRACKERS:
         raise ConfigError(f"--report-to={name!r}: allowed {', '.join(TRACKERS)}")
     try:
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        import tensorboard  # noqa: F401
+        TRACKERS[name][0]()
     except ImportError:
-        raise ConfigError(f"--report-to={name}: the tensorboard package is not installed; "
+        raise ConfigError(f"--report-to={name}: the {name} package is not installed; "
                           'pip install -e ".[track]"') from None
 
 
-def _scalars(frame: pd.DataFrame, x: str):
-    """(tag, value, step) for every finite numeric value of frame, stepped by column x."""
+def _tables(run_dir: Path) -> dict[str, tuple[pd.DataFrame, str]]:
+    return {name: (pd.read_parquet(run_dir / name), x) for name, x in TABLES.items() if (run_dir / name).exists()}
+
+
+def _numeric(frame: pd.DataFrame) -> list[str]:
+    return [c for c in frame.select_dtypes("number").columns if c not in ID_COLUMNS]
+
+
+def _rows(frame: pd.DataFrame, x: str):
+    """(x value, {column: value}) per row of frame, finite numeric values only."""
     if x not in frame.columns:
         return
-    numeric = [c for c in frame.select_dtypes("number").columns if c not in ID_COLUMNS]
+    numeric = _numeric(frame)
     for _, row in frame.iterrows():
-        for col in numeric:
-            value = float(row[col])
-            if math.isfinite(value):
-                yield col, value, int(row[x])
+        yield int(row[x]), {c: float(row[c]) for c in numeric if math.isfinite(float(row[c]))}
 
 
-def mirror_run(run_dir: Path, logdir: Path) -> int:
-    """Write run_dir's tables as tensorboard scalars under logdir (replaced); returns the scalars written."""
+def _mirror_tensorboard(run_dir: Path, logdir: Path, tables: dict, group: str | None) -> int:
     from torch.utils.tensorboard import SummaryWriter
 
-    run_dir, logdir = Path(run_dir), Path(logdir)
-    frames = {}
-    for name, x in (("metrics.parquet", "update"), ("eval.parquet", "step")):
-        if (run_dir / name).exists():
-            frames[name] = (pd.read_parquet(run_dir / name), x)
-    if not frames:
-        return 0
-    shutil.rmtree(logdir, ignore_errors=True)
     n = 0
     writer = SummaryWriter(log_dir=str(logdir))
     try:
-        for frame, x in frames.values():
-            for tag, value, step in _scalars(frame, x):
-                writer.add_scalar(tag, value, step)
-                n += 1
+        for frame, x in tables.values():
+            for step, values in _rows(frame, x):
+                for tag, value in values.items():
+                    writer.add_scalar(tag, value, step)
+                n += len(values)
     finally:
         writer.close()
     return n
 
 
-def mirror_runs(report_to: str, run_dirs: list[Path], root: Path) -> int:
-    """Mirror every run folder that has tables to root/<run_id>; returns the scalars written."""
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _mirror_wandb(run_dir: Path, logdir: Path, tables: dict, group: str | None) -> int:
+    import wandb
+
+    logdir.mkdir(parents=True)
+    settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
+                              save_code=False, x_disable_meta=True)
+    run = wandb.init(dir=str(logdir), mode=os.environ.get("WANDB_MODE") or "offline",
+                     project=os.environ.get("WANDB_PROJECT") or "moe_lab", group=group, name=run_dir.name,
+                     config=_run_config(run_dir), settings=settings)
+    n = 0
+    try:
+        for name, (frame, x) in tables.items():
+            key = "update" if name == "metrics.parquet" else EVAL_STEP
+            run.define_metric(key, hidden=True)
+            for col in _numeric(frame):
+                run.define_metric(col, step_metric=key)
+            for step, values in _rows(frame, x):
+                run.log({key: step, **values})
+                n += len(values)
+    finally:
+        run.finish()
+    return n
+
+
+# name -> (check that the package imports, mirror one run folder)
+TRACKERS = {"tensorboard": (_check_tensorboard, _mirror_tensorboard), "wandb": (_check_wandb, _mirror_wandb)}
+
+
+def mirror_run(run_dir: Path, logdir: Path, report_to: str = "tensorboard", group: str | None = None) -> int:
+    """Write run_dir's tables to the tracker under logdir (replaced); returns the scalars written."""
+    run_dir, logdir = Path(run_dir), Path(logdir)
+    tables = _tables(run_dir)
+    if not tables:
+        return 0
+    shutil.rmtree(logdir, ignore_errors=True)
+    return TRACKERS[report_to][1](run_dir, logdir, tables, group)
+
+
+class TrackerError(ValueError):
+    """A tracker failed after the runs ended (e.g. wandb online without a login); the tables are intact."""
+
+
+def mirror_runs(report_to: str, run_dirs: list[Path], root: Path, group: str | None = None) -> int:
+    """Mirror every run folder that has tables to root/<run_id>; returns the scalars written.
+
+    A run the tracker refuses does not stop the others; the first failure is raised after all were tried."""
     check_report_to(report_to)
-    return sum(mirror_run(d, Path(root) / Path(d).name) for d in run_dirs if Path(d).is_dir())
+    n, failed = 0, []
+    try:
+        for d in (Path(d) for d in run_dirs if Path(d).is_dir()):
+            try:
+                n += mirror_run(d, Path(root) / d.name, report_to, group)
+            except Exception as exc:  # noqa: BLE001 - any tracker fault is reported, the runs are done
+                failed.append(f"{d.name}: {type(exc).__name__}: {exc}")
+    finally:
+        if report_to == "wandb":
+            import wandb
+
+            wandb.teardown()  # stop wandb's service process: nothing is left running after the invocation
+    if failed:
+        raise TrackerError(f"--report-to {report_to}: could not mirror {len(failed)} run(s) ({failed[0]}); "
+                           "their tables are complete, rerun the same command to mirror them again")
+    return n
