@@ -30,7 +30,7 @@ from moe_lab.distributed import (check_data_parallel, combine_metrics, group_min
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
-# exact combinations (see moe_lab/distributed.py); load_* and logratio_var are rank-averaged approximations
+# exact combinations (see moe_lab/dp_split.py); load_* and logratio_var are rank-averaged approximations
 COMPARED = ["loss", "ratio/token_mean", "ratio/seq_mean", "ratio/extreme_frac", "clip_frac/out_of_range",
             "clip_frac/seq", "kl/k3", "routing/expert_change", "routing/expert_change_latent", "routing/any_change",
             "reward/mean", "reward/std", "reward/zero_var_groups", "response/length_mean", "policy/entropy",

@@ -1,0 +1,214 @@
+"""How one data-parallel step is split over the ranks and put back together (no torch.distributed here).
+
+``moe_lab.distributed`` runs the process group; this module holds what makes its table independent of the
+world size:
+- every prompt group is sampled under its own seed, a function of (seed, step, prompt index), so a group
+  gets the same responses on whichever rank it lands (this sampling mode is used for every torchrun run,
+  world size 1 included; the plain ``train()`` path keeps its one-generator sampling);
+- groups never straddle ranks (advantages are group-local), and minibatch m takes the same G/M responses
+  of every group (a seeded per-group shuffle), so each rank holds the same number of sequences in every
+  minibatch and DDP's mean of the per-rank seq-mean losses is the global seq-mean loss;
+- every epoch (``rl.epochs``) reshuffles each group under its own seed, so epoch e's minibatch m is also
+  the same sequences on any split; update indices follow step.py (step*epochs*M + epoch*M + m);
+- metrics are combined with the weights that make them the global ones (tokens for token means, sequences
+  for sequence means, law of total variance for variances, max for maxima, ``rollout_corr/ess`` recomputed
+  from each part's weight sums).
+What a split cannot compute as the single-process step does is refused by ``check_data_parallel``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_lab.config import ConfigError, RunConfig
+
+SEQ_WEIGHTED = {"loss", "clip_frac/seq", "ratio/seq_mean", "reward/mean", "reward/zero_var_groups",
+                "kl/ref_reward_penalty", "response/length_mean", "routing/aux_loss", "objective/seq_ratio_mean"}
+# variance -> (its mean, weight kind): combined exactly by the law of total variance
+VARIANCES = {"ratio/token_var": ("ratio/token_mean", "tok"), "ratio/seq_var": ("ratio/seq_mean", "seq")}
+STDS = {"reward/std": ("reward/mean", "seq")}
+SAME_ON_ALL_RANKS = {"optim/grad_norm", "optim/lr", "step", "epoch", "minibatch", "update"}
+
+
+def check_data_parallel(cfg: RunConfig, world: int) -> None:
+    """Refuse, in one line, what a split over ``world`` ranks cannot compute as the single-process step does."""
+    rl = cfg.rl
+    if rl.prompts_per_step % world:
+        raise ConfigError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of the world size {world} "
+                          "(prompt groups never straddle ranks)")
+    if rl.group_size % rl.minibatches:
+        raise ConfigError(f"rl.group_size={rl.group_size} must be a multiple of rl.minibatches={rl.minibatches} in a "
+                          "data-parallel run (each minibatch takes group_size/minibatches responses of every group)")
+    if rl.loss_agg == "token-mean":
+        raise ConfigError("rl.loss_agg=token-mean is not supported data-parallel (a mean of per-rank token means is "
+                          "not the global one); allowed: seq-mean-token-mean, seq-mean-token-sum, "
+                          "seq-mean-token-sum-norm")
+    if rl.whiten == "batch":
+        raise ConfigError("rl.whiten=batch is not supported data-parallel (advantages must be group-local); "
+                          "allowed: group")
+
+
+def group_seed(seed: int, step: int, prompt_index: int) -> int:
+    """Sampling seed of one prompt group: the same on whichever rank the group lands."""
+    return (seed * 1_000_003 + step * 7919 + prompt_index * 104_729 + 12_345) % (2 ** 63)
+
+
+def rank_groups(n_prompts: int, rank: int, world: int) -> range:
+    """Contiguous block of prompt indices of one rank: rank order = global batch order."""
+    per = n_prompts // world
+    return range(rank * per, (rank + 1) * per)
+
+
+def group_minibatch_indices(group_indices, group_size: int, minibatches: int, seed: int, step: int,
+                         epoch: int = 0) -> list[torch.Tensor]:
+    """Indices (into the rank's batch) of each minibatch: G/M responses of every local group.
+
+    Each group's shuffle is seeded by its global index, so the global minibatch does not depend on the split;
+    every epoch (rl.epochs) draws its own shuffle, epoch 0 the one single-epoch runs always drew.
+    """
+    parts: list[list[torch.Tensor]] = [[] for _ in range(minibatches)]
+    for j, gi in enumerate(group_indices):
+        gen = torch.Generator().manual_seed(group_seed(seed, step, gi) + 999_983 + epoch * 1_009)
+        for m, chunk in enumerate(torch.randperm(group_size, generator=gen).chunk(minibatches)):
+            parts[m].append(chunk + j * group_size)
+    return [torch.cat(p) for p in parts]
+
+
+# ----------------------------------------------------------------------------- joining groups' step data
+
+def _prompt_len(response_mask_BT: torch.Tensor) -> int:
+    # generate() emits at least one token, so column P-1 is a response column in every row
+    return int(response_mask_BT[0].nonzero()[0]) + 1
+
+
+def _pad_cols(x: torch.Tensor, left: int, right: int, value, dim: int = 1) -> torch.Tensor:
+    if not left and not right:
+        return x
+    shape_l, shape_r = list(x.shape), list(x.shape)
+    shape_l[dim], shape_r[dim] = left, right
+    return torch.cat([x.new_full(shape_l, value), x, x.new_full(shape_r, value)], dim=dim)
+
+
+def _pad_trace(trace, left: int, right: int):
+    from moe_lab.routing import Trace
+
+    if not left and not right:
+        return trace
+    ids = trace.indices
+    K = ids.shape[-1]
+    # pad positions get distinct ids 0..K-1: never read (masked), but a valid top-k for replay to force
+    fill = torch.arange(K, dtype=ids.dtype, device=ids.device)
+    def pad(x, filler):
+        L, B, _, _ = x.shape
+        blocks = [filler.expand(L, B, n, K) for n in (left, right)]
+        return torch.cat([blocks[0], x, blocks[1]], dim=2)
+    w, lp = trace.weights, trace.router_logp_LBTK
+    zeros = torch.zeros(K, dtype=torch.float32, device=ids.device)  # never read either: masked positions
+    return Trace(pad(ids, fill), None if w is None else pad(w, zeros), num_experts=trace.num_experts,
+                 family=trace.family, router_logp=None if lp is None else pad(lp, zeros))
+
+
+def join_step_data(parts: list, pad_token_id: int, replay: str):
+    """One StepData from the StepData of single prompt groups (left-pad prompts, right-pad responses).
+
+    ``replay``: the run's rl.replay, which decides the forced trace as in step.collect.
+    """
+    from moe_lab.rollout import RolloutBatch
+    from moe_lab.routing import Trace
+    from moe_lab.step import StepData
+
+    if len(parts) == 1:
+        return parts[0]
+    d0 = parts[0]
+    P = [_prompt_len(d.batch.response_mask_BT) for d in parts]
+    N = [d.batch.input_ids_BS.shape[1] - p for d, p in zip(parts, P)]
+    pads = [(max(P) - p, max(N) - n) for p, n in zip(P, N)]
+
+    def cat(get, value, dim=1):
+        return torch.cat([_pad_cols(get(d), l, r, value, dim) for d, (l, r) in zip(parts, pads)], dim=0)
+
+    def cat_trace(get):
+        traces = [get(d) for d in parts]
+        if traces[0] is None:
+            return None
+        return Trace.cat([_pad_trace(t, l, r) for t, (l, r) in zip(traces, pads)])
+
+    trace = cat_trace(lambda d: d.batch.trace)
+    # Keep collect()'s sharing, which update() relies on (`old_trace is forced_trace` under R2): old_trace is
+    # the rollout trace itself with old_logp=rollout, else its own (under R3 a copy carrying the old
+    # router's log-probs); the forced trace is one of the two, chosen by rl.replay as in collect().
+    old = trace if d0.old_trace is d0.batch.trace else cat_trace(lambda d: d.old_trace)
+    forced = {"none": None, "old": old, "rollout": trace}[replay]
+    # right padding mimics generate(): pad tokens after EOS with attention 1 (never attended: causal)
+    ids = torch.cat([_pad_cols(_pad_cols(d.batch.input_ids_BS, l, 0, pad_token_id), 0, r, pad_token_id)
+                     for d, (l, r) in zip(parts, pads)])
+    attn = torch.cat([_pad_cols(_pad_cols(d.batch.attention_mask_BS, l, 0, 0), 0, r, 1)
+                      for d, (l, r) in zip(parts, pads)])
+    batch = RolloutBatch(prompts=[p for d in parts for p in d.batch.prompts],
+                         completions=[c for d in parts for c in d.batch.completions], input_ids_BS=ids,
+                         attention_mask_BS=attn, response_mask_BT=cat(lambda d: d.batch.response_mask_BT, False),
+                         logp_rollout_BT=cat(lambda d: d.batch.logp_rollout_BT, 0.0), trace=trace,
+                         response_len_B=torch.cat([d.batch.response_len_B for d in parts]))
+    # rollout-correction weights are 0 off the response mask (as rollout_correction returns them)
+    is_weights = None if d0.is_weights_BT is None else cat(lambda d: d.is_weights_BT, 0.0)
+    return StepData(batch, torch.cat([d.rewards_B for d in parts]), torch.cat([d.adv_B for d in parts]),
+                    cat(lambda d: d.logp_old_BT, 0.0), old, forced, {}, d0.norm_len, is_weights)
+
+
+# ----------------------------------------------------------------------------- metrics across parts
+
+def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
+    """Global metrics from the metrics of disjoint parts of a batch: [(metrics, n_seq, n_tok)].
+
+    Token means are weighted by tokens, sequence means by sequences, variances and stds combined by the
+    law of total variance, maxima by max; perf/* take the slowest part. Parts list the same keys.
+    """
+    keys = list(parts[0][0])
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [p[0][k] for p in parts]
+        if k in SAME_ON_ALL_RANKS:
+            out[k] = vals[0]
+        elif k.startswith("perf/") or "max" in k.split("/")[-1]:
+            out[k] = max(vals)
+        elif "min" in k.split("/")[-1]:
+            out[k] = min(vals)
+        else:
+            kind = "seq" if k in SEQ_WEIGHTED else VARIANCES.get(k, STDS.get(k, (None, "tok")))[1]
+            w = [p[1] if kind == "seq" else p[2] for p in parts]
+            out[k] = _weighted_mean(vals, w)
+    if "rollout_corr/ess" in out:
+        out["rollout_corr/ess"] = _combined_ess(parts)
+    for table, is_std in ((VARIANCES, False), (STDS, True)):
+        for k, (mean_key, kind) in table.items():
+            if k in out and mean_key in out:
+                w = [p[1] if kind == "seq" else p[2] for p in parts]
+                second = [(p[0][k] ** 2 if is_std else p[0][k]) + p[0][mean_key] ** 2 for p in parts]
+                var = max(_weighted_mean(second, w) - out[mean_key] ** 2, 0.0)
+                out[k] = math.sqrt(var) if is_std else var
+    return out
+
+
+def _combined_ess(parts: list[tuple[dict, float, float]]) -> float:
+    """ESS = (sum w)^2 / (n sum w^2) of the whole batch, exactly, from each part's weight mean, ESS and tokens.
+
+    A part's sums are recovered as S = mean * n and Q = S^2 / (n ESS) (Q = 0 when its ESS is 0: all its
+    weights are 0), so no extra gather is needed.
+    """
+    S = Q = N = 0.0
+    for metrics, _, n in parts:
+        if n <= 0:
+            continue
+        s_i, ess_i = metrics["rollout_corr/weight_mean"] * n, metrics["rollout_corr/ess"]
+        S, N = S + s_i, N + n
+        Q += s_i * s_i / (n * ess_i) if ess_i > 0 else 0.0
+    return S * S / (N * Q) if Q > 0 else 0.0
+
+
+def _weighted_mean(vals: list[float], w: list[float]) -> float:
+    total = sum(wi for wi, v in zip(w, vals) if wi > 0)
+    if total == 0:
+        return math.nan
+    return sum(wi * v for wi, v in zip(w, vals) if wi > 0) / total
