@@ -31,6 +31,7 @@ from moe_lab.objectives import (
     SAPO_TAU_NEG_DEFAULT,
     SAPO_TAU_POS_DEFAULT,
     ObjectiveInputs,
+    ObjectiveTerms,
 )
 from moe_lab.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
@@ -232,6 +233,53 @@ def _fold_is_weights(w_BT: torch.Tensor, keep_BT: torch.Tensor, sequence_level: 
     return torch.exp(log_w_BT.sum(dim=-1) / keep_BT.sum(dim=-1)).unsqueeze(-1).expand_as(w_BT)
 
 
+def _check_tensors(logp_new_BT, logp_old_BT, advantages, mask_BT, algo, router_gamma_BT, is_weights_BT) -> None:
+    """policy_loss's tensor checks, before any arithmetic: shapes, dtypes, mask values, advantages."""
+    _check_logp("logp_new_BT", logp_new_BT, None)
+    shape = tuple(logp_new_BT.shape)
+    _check_logp("logp_old_BT", logp_old_BT, shape)
+    _check_mask(mask_BT, shape, allow_empty_rows=False)
+    _check_advantages(advantages, mask_BT, algo)
+    _check_token_weights("router_gamma_BT", router_gamma_BT, shape)
+    _check_token_weights("is_weights_BT", is_weights_BT, shape)
+
+
+def _clamped_log_ratio(logp_new_BT: torch.Tensor, logp_old_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_BT, clamped_BT): the token log-ratio clamped to +-LOG_RATIO_BOUND, and the tokens whose log-ratio the clamp changed."""
+    raw_d_BT = logp_new_BT - logp_old_BT
+    token_clamped_BT = raw_d_BT.detach().abs() > LOG_RATIO_BOUND
+    # Clamp before exp: exp(88) overflows fp32. +-20 (as verl) is far outside any clip range, so
+    # the clamp only changes tokens whose probability moved by a factor > 4.8e8.
+    return raw_d_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), token_clamped_BT
+
+
+def _is_weighted(loss_BT: torch.Tensor, is_weights_BT: torch.Tensor | None, keep_BT: torch.Tensor,
+                 sequence_level: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The per-token terms times the rollout-correction weights (cast to the log-ratio's ``dtype``, folded
+    per ``_fold_is_weights``)."""
+    if is_weights_BT is None:  # no multiplication at all: the default path stays bit-identical
+        return loss_BT
+    w_BT = torch.where(keep_BT, is_weights_BT.detach().to(dtype), torch.zeros((), dtype=dtype))
+    return loss_BT * _fold_is_weights(w_BT, keep_BT, sequence_level)
+
+
+def _loss_metrics(terms: ObjectiveTerms, d_BT: torch.Tensor, keep_BT: torch.Tensor,
+                  token_clamped_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The shared ratio / clip metrics (policy_metrics) and the objective's own, detached fp32 scalars."""
+    metric_low, metric_high = terms.metric_range
+    metrics = policy_metrics(
+        d_BT,
+        terms.ratio_BT,
+        keep_BT,
+        clip_low=metric_low,
+        clip_high=metric_high,
+        clip_active_BT=terms.clip_active_BT,
+        dual_active_BT=terms.dual_active_BT,
+        clamped_BT=token_clamped_BT | terms.seq_clamped_B.unsqueeze(-1),
+    )
+    metrics.update({key: value.detach().to(torch.float32).reshape(()) for key, value in terms.metrics.items()})
+    return metrics
+
 def policy_loss(
     logp_new_BT: torch.Tensor,
     logp_old_BT: torch.Tensor,
@@ -269,20 +317,10 @@ def policy_loss(
         float, (clip_low, clip_high, sapo_tau_pos, sapo_tau_neg, rspo_floor))
     dual_clip_c = None if dual_clip_c is None else float(dual_clip_c)
     norm_len = None if norm_len is None else float(norm_len)
-    _check_logp("logp_new_BT", logp_new_BT, None)
-    shape = tuple(logp_new_BT.shape)
-    _check_logp("logp_old_BT", logp_old_BT, shape)
-    _check_mask(mask_BT, shape, allow_empty_rows=False)
-    _check_advantages(advantages, mask_BT, algo)
-    _check_token_weights("router_gamma_BT", router_gamma_BT, shape)
-    _check_token_weights("is_weights_BT", is_weights_BT, shape)
+    _check_tensors(logp_new_BT, logp_old_BT, advantages, mask_BT, algo, router_gamma_BT, is_weights_BT)
 
     logp_new_BT, logp_old_BT, adv_BT, keep_BT = _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT)
-    raw_d_BT = logp_new_BT - logp_old_BT
-    token_clamped_BT = raw_d_BT.detach().abs() > LOG_RATIO_BOUND
-    # Clamp before exp: exp(88) overflows fp32. +-20 (as verl) is far outside any clip range, so
-    # the clamp only changes tokens whose probability moved by a factor > 4.8e8.
-    d_BT = raw_d_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    d_BT, token_clamped_BT = _clamped_log_ratio(logp_new_BT, logp_old_BT)
     dtype = d_BT.dtype
     if router_gamma_BT is not None:
         router_gamma_BT = torch.where(keep_BT, router_gamma_BT.detach().to(dtype), torch.ones((), dtype=dtype))
@@ -291,21 +329,7 @@ def policy_loss(
         d_BT, logp_new_BT, adv_BT, keep_BT, clip_low, clip_high, dual_clip_c,
         sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, rspo_floor=rspo_floor, router_gamma_BT=router_gamma_BT,
     ))
-    loss_BT = terms.loss_BT
-    if is_weights_BT is not None:  # only when given: the default path stays bit-identical
-        w_BT = torch.where(keep_BT, is_weights_BT.detach().to(dtype), torch.zeros((), dtype=dtype))
-        loss_BT = loss_BT * _fold_is_weights(w_BT, keep_BT, objective.sequence_level)
+    loss_BT = _is_weighted(terms.loss_BT, is_weights_BT, keep_BT, objective.sequence_level, dtype)
     loss = aggregate_loss(loss_BT, keep_BT, loss_agg, norm_len=norm_len)
-    metric_low, metric_high = terms.metric_range
-    metrics = policy_metrics(
-        d_BT,
-        terms.ratio_BT,
-        keep_BT,
-        clip_low=metric_low,
-        clip_high=metric_high,
-        clip_active_BT=terms.clip_active_BT,
-        dual_active_BT=terms.dual_active_BT,
-        clamped_BT=token_clamped_BT | terms.seq_clamped_B.unsqueeze(-1),
-    )
-    metrics.update({key: value.detach().to(torch.float32).reshape(()) for key, value in terms.metrics.items()})
-    return loss, metrics
+    return loss, _loss_metrics(terms, d_BT, keep_BT, token_clamped_BT)
+
