@@ -268,6 +268,26 @@ def check_same_experiment(exp: dict, out: Path, *, overwrite: bool) -> bool:
     return True
 
 
+def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: bool) -> dict[str, str]:
+    """Cold starts, then the runs of ``todo``, on ``backend`` or local workers; their run_id -> status.
+
+    On KeyboardInterrupt the unfinished runs are marked 'interrupted' and the interrupt is re-raised.
+    """
+    try:
+        if backend is not None:
+            return backend.run(todo, runs_dir, _distinct_setups(todo), progress)
+        _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
+        items = [(c, str(runs_dir / c.run_id)) for c in todo]
+        return dict(_run_parallel(_train_worker, items, jobs, "runs", progress))
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the bookkeeping short
+        try:
+            _mark_interrupted(todo, runs_dir)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise
+
+
 def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: list[str] = (),
                    arms: list[str] | None = None, seeds: list[int] | None = None, overwrite: bool = False,
                    progress: bool = True, echo=print, report_to: str | None = None, backend=None) -> dict[str, str]:
@@ -304,21 +324,8 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
          f"{len(groups['new'])} new; {where} -> {out}")
     statuses = {c.run_id: STATUS_DONE for c in groups["done"]}
-    try:
-        if todo and backend is not None:
-            statuses.update(backend.run(todo, runs_dir, _distinct_setups(todo), progress))
-        elif todo:
-            _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start",
-                          progress)
-            items = [(c, str(runs_dir / c.run_id)) for c in todo]
-            statuses.update(dict(_run_parallel(_train_worker, items, jobs, "runs", progress)))
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the bookkeeping short
-        try:
-            _mark_interrupted(todo, runs_dir)
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise
+    if todo:
+        statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress))
     for run_id, status in statuses.items():
         if status.startswith(STATUS_LOCKED):
             echo(f"{run_id}: {status}")
