@@ -3,9 +3,10 @@
 The family registry (router classes, choice rules, gate normalisations) lives in ``moe_lab.families``.
 """
 
-from moe_lab.routing.hooks import ReplayHandle, RouterLogp, check_trace, record, replay, router_logp_probe
+from moe_lab.routing.hooks import ReplayHandle, check_trace, record, replay, router_logp_probe
 from moe_lab.routing.metrics import (expert_change, expert_load_LE, load_metrics, router_gamma, router_shift,
                                      routing_metrics)
+from moe_lab.routing.router_logp import RouterLogp
 from moe_lab.routing.trace import Trace, index_dtype
 
 __all__ = ["ReplayHandle", "RouterLogp", "Trace", "check_trace", "expert_change", "expert_load_LE", "index_dtype",
