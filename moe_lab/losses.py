@@ -280,6 +280,7 @@ def _loss_metrics(terms: ObjectiveTerms, d_BT: torch.Tensor, keep_BT: torch.Tens
     metrics.update({key: value.detach().to(torch.float32).reshape(()) for key, value in terms.metrics.items()})
     return metrics
 
+
 def policy_loss(
     logp_new_BT: torch.Tensor,
     logp_old_BT: torch.Tensor,
