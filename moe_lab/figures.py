@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 
 from moe_lab import plots, results, stability, stability_plots
 from moe_lab.constants import PPO_CLIP_ALGOS
+from moe_lab.experiment import BASE_LABEL
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
@@ -96,7 +97,11 @@ def is_atlas(df: pd.DataFrame, reference: str = stability.ATLAS_REFERENCE) -> bo
     accuracy gap is taken to it). A plain sweep (clip range, router lr of GRPO and GSPO) is not one."""
     if not _has(df, "factor") or "arm_base" not in df:
         return False
-    return bool((df.loc[df["factor"].notna(), "arm_base"] == reference).any())
+    labelled = df[df["factor"].notna()]
+    # A grid sweep labels every cell with the one (compound) factor it varies and has no shared base point;
+    # an atlas varies several factors, or runs its base point as '<arm>__base'.
+    one_at_a_time = labelled["factor"].nunique() > 1 or bool((labelled["factor"] == BASE_LABEL).any())
+    return one_at_a_time and bool((labelled["arm_base"] == reference).any())
 
 
 def parse_formats(formats: str | Sequence[str]) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # nothing here needs a display (plots never use pyplot anyway)
 
@@ -13,6 +14,8 @@ import pytest  # noqa: E402
 from synthetic import PAPER_ARMS, clip_sweep_arms, volatility_sweep_arms, write_experiment  # noqa: E402
 
 from moe_lab import figures, plots, results, stability, stability_plots  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS, STEPS = 3, 5
 PER_STEP_FIGURES = ["clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance"]
@@ -318,6 +321,11 @@ def test_atlas_needs_factor_labels_and_sweeps_are_not_atlases(paper, root):
     with pytest.raises(ValueError, match="label"):
         stability_plots.atlas(*paper)
     assert not figures.is_atlas(results.load_runs(root / "volatility_sweep")[0])
+    # the committed sweep runs grpo_r2 (the atlas's reference arm) over a two-field grid: still not an atlas
+    real = results.load_runs(ROOT / "results" / "reference" / "volatility_sweep")[0]
+    assert "grpo_r2" in set(real["arm_base"]) and real["factor"].notna().all()
+    assert not figures.is_atlas(real)
+    assert figures.is_atlas(results.load_runs(ROOT / "results" / "reference" / "atlas")[0])
 
 
 def test_atlas_of_a_factors_design_puts_the_shared_base_on_every_axis(tmp_path):
