@@ -100,6 +100,7 @@ ATLAS_ROWS = (("expert_change", "expert change per update\n(last 25% of updates)
 
 
 ATLAS_WRAP = 6
+ATLAS_TICK_CHARS = 24  # total characters of a panel's level names beyond which they are slanted
 
 
 def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str, first: bool) -> None:
@@ -110,7 +111,11 @@ def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str, first: b
         for arm in arm_order(sub["arm_base"].astype(str).unique()):
             rows = sub[sub["arm_base"] == arm].sort_values("level_index")
             ax.plot(rows["level_index"], rows[col], marker="o", color=arm_color(arm), label=arm_label(arm))
-        ax.set_xticks(ticks["level_index"].to_numpy(), ticks["level"].astype(str).tolist())
+        labels = ticks["level"].astype(str).tolist()
+        # long level names (the combinations) would overlap side by side in a panel ~1.5 inches wide
+        slanted = sum(map(len, labels)) > ATLAS_TICK_CHARS
+        ax.set_xticks(ticks["level_index"].to_numpy(), labels, rotation=30 if slanted else 0,
+                      ha="right" if slanted else "center", fontsize="x-small" if slanted else None)
         values = sub[col].to_numpy(float)
         if log and (values[np.isfinite(values)] > 0).all() and np.isfinite(values).any():
             ax.set_yscale("log")
