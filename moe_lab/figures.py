@@ -65,8 +65,8 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
     # "0/n" collapse rate says the same.
     if _has(metrics, "collapsed_at"):
         plan["survival"] = lambda: stability_plots.survival(metrics)
-    atlas = bool((design or {}).get("factors")) or is_atlas(metrics)
-    if atlas and _has(metrics, "ratio/token_var", "routing/expert_change"):
+    # a factors design returned above; without one (no experiment.yaml), the arm labels tell
+    if is_atlas(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
         plan["atlas"] = lambda: stability_plots.atlas(metrics, evals, design=design)
     if is_head_to_head(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
         plan["head_to_head"] = lambda: stability_plots.head_to_head(metrics, evals)

@@ -28,7 +28,8 @@ from moe_lab.config import ConfigError
 ID_COLUMNS = ("step", "minibatch", "update", "seed")
 # table file -> the column that steps its scalars
 TABLES = {"metrics.parquet": "update", "eval.parquet": "step"}
-EVAL_STEP = "eval_step"  # wandb: the evals' x, apart from `step`, which wandb reserves for its own counter
+# wandb: the key each table's x is logged under; the evals' apart from `step`, which wandb reserves
+WANDB_STEP_KEYS = {"update": "update", "step": "eval_step"}
 
 
 def _check_tensorboard() -> None:
@@ -100,8 +101,8 @@ def _mirror_wandb(run_dir: Path, logdir: Path, tables: dict, group: str | None) 
                      config=_run_config(run_dir), settings=settings)
     n = 0
     try:
-        for name, (frame, x) in tables.items():
-            key = "update" if name == "metrics.parquet" else EVAL_STEP
+        for frame, x in tables.values():
+            key = WANDB_STEP_KEYS[x]
             run.define_metric(key, hidden=True)
             for col in _numeric(frame):
                 run.define_metric(col, step_metric=key)

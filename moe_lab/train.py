@@ -50,8 +50,7 @@ class TrainState:
                    extra={k: v for k, v in state.items() if k not in cls.FIELDS})
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "rows": self.rows, "eval_rows": self.eval_rows, "wall_s": self.wall_s,
-                **self.extra}
+        return {**{k: getattr(self, k) for k in self.FIELDS}, **self.extra}
 
 
 def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
