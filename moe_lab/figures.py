@@ -15,13 +15,13 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab import plots, results, stability, stability_plots
+from moe_lab import plots, replay_map, replay_plots, results, stability, stability_plots
 from moe_lab.constants import PPO_CLIP_ALGOS
 from moe_lab.experiment import BASE_LABEL
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
-                "clip_sweep", "volatility_sweep", "survival", "atlas", "head_to_head")
+                "clip_sweep", "volatility_sweep", "survival", "atlas", "head_to_head", "replay_map", "rescue")
 DPI = 100
 
 
@@ -45,6 +45,8 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
     if (design or {}).get("factors"):  # an atlas: per-arm curves (or survival) of ~80 cells would be unreadable
         if _has(metrics, "ratio/token_var", "routing/expert_change"):
             plan["atlas"] = lambda: stability_plots.atlas(metrics, evals, design=design)
+        if is_replay_comparison(metrics):
+            plan["replay_map"] = lambda: replay_plots.replay_map_figure(metrics, evals)
         return plan
     if _has(metrics, "clip_frac/out_of_range", "clip_frac/active"):
         plan["clip_fraction"] = lambda: plots.clip_fraction(metrics)
@@ -70,6 +72,11 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
         plan["atlas"] = lambda: stability_plots.atlas(metrics, evals, design=design)
     if is_head_to_head(metrics) and _has(metrics, "ratio/token_var", "routing/expert_change"):
         plan["head_to_head"] = lambda: stability_plots.head_to_head(metrics, evals)
+    if is_replay_comparison(metrics):  # a factors design gets the map; one setting, the rescue head line
+        if is_atlas(metrics):
+            plan["replay_map"] = lambda: replay_plots.replay_map_figure(metrics, evals)
+        else:
+            plan["rescue"] = lambda: replay_plots.rescue(metrics, evals)
     return plan
 
 
@@ -90,6 +97,15 @@ def is_head_to_head(df: pd.DataFrame) -> bool:
         return False
     corrected = df["rl.rollout_correction"].fillna("none") != "none" if "rl.rollout_correction" in df else False
     return bool((~df["algo"].isin(PPO_CLIP_ALGOS) | corrected).any())
+
+
+def is_replay_comparison(df: pd.DataFrame) -> bool:
+    """GRPO with and without Routing Replay, with the ratio decomposition logged (replay_map / rescue figures);
+    the older references, which predate the decomposition, draw neither."""
+    if "arm_base" not in df or not _has(df, replay_map.SHARE, "ratio/token_var", "optim/grad_norm"):
+        return False
+    arms = set(df["arm_base"].dropna())
+    return replay_map.REFERENCE in arms and bool(arms & {"grpo_r2", "grpo_r3"})
 
 
 def is_atlas(df: pd.DataFrame, reference: str = stability.ATLAS_REFERENCE) -> bool:

@@ -161,8 +161,44 @@ STABILITY = {
     ],
 }
 
+REPLAY = {
+    "title": "# Does Routing Replay rescue GRPO? The rescue experiment and the replay map\n\n"
+             "`experiments/replay_rescue.yaml` runs GRPO with and without Routing Replay (R2, R3) against GSPO and "
+             "GSPO-token in a setting fixed before its multi-seed run (64 small experts, top-1 routing, gradient-norm "
+             "clipping off). `experiments/replay_map.yaml` varies one factor at a time around it. The ratio "
+             "decomposition (`docs/metrics.md`) splits each token's log-ratio into a routing part d_route and a "
+             "weight part d_weight; the routing share Var(d_route) / (Var(d_route) + Var(d_weight)) under GRPO is the "
+             "map's x. This notebook only reads results (`results/README.md` has the commands).",
+    "cells": [
+        ("code", SETUP.replace("stability, stability_plots", "replay_map, replay_plots, stability, stability_plots")),
+        ("code", 'rescue_metrics, rescue_evals = results.load_runs(REFERENCE / "replay_rescue")\n'
+                 'print(rescue_metrics["run_id"].nunique(), "rescue runs; arms:",\n'
+                 '      plots.arm_order(rescue_metrics["arm"].unique()))'),
+        ("md", "## The rescue, head to head\nFinal greedy accuracy and collapse rate per arm with 95% intervals "
+               "(t over seeds; Wilson for the collapse rate); reward, expert change and clip share over the last "
+               "25% of steps."),
+        ("code", 'stability.arm_table(rescue_metrics, rescue_evals)[["arm", "runs", "acc_greedy", "acc_greedy_lo",\n'
+                 '    "acc_greedy_hi", "collapses", "collapse_rate_lo", "collapse_rate_hi", "reward"]]'),
+        ("code", "replay_plots.rescue(rescue_metrics, rescue_evals)"),
+        ("md", "## How much of the ratio noise is routing?\nPer arm, the run means of the decomposition: the "
+               "variances of d_route and d_weight, the routing share, and the share of tokens whose routing "
+               "alone moves the ratio out of the clip range."),
+        ("code", 'decomp = ["ratio/d_route_var", "ratio/d_weight_var", "ratio/routing_share",\n'
+                 '          "ratio/route_extreme_frac", "ratio/route_clip_exit_frac"]\n'
+                 'per_run = results.last_frac_means(rescue_metrics, decomp, ["arm"], 1.0)\n'
+                 'per_run.groupby("arm")[decomp].mean()'),
+        ("md", "## The replay map\nOne point per setting: GRPO's routing share (x) against the final-accuracy "
+               "gap of R2 (and GSPO) to GRPO (y), 95% intervals on both."),
+        ("code", 'map_folder = REFERENCE / "replay_map"\n'
+                 'map_metrics, map_evals = results.load_runs(map_folder)\n'
+                 'replay_plots.replay_map_figure(map_metrics, map_evals)'),
+        ("code", "replay_map.replay_map_table(map_metrics, map_evals)"),
+    ],
+}
+
 NOTEBOOKS = {"01_reproduce_paper_figures.ipynb": PAPER, "02_routing_volatility.ipynb": VOLATILITY,
-             "03_clip_range_sweep.ipynb": CLIP, "04_stability_atlas.ipynb": STABILITY}
+             "03_clip_range_sweep.ipynb": CLIP, "04_stability_atlas.ipynb": STABILITY,
+             "05_replay_map.ipynb": REPLAY}
 
 
 def build(spec: dict) -> nbformat.NotebookNode:

@@ -56,8 +56,16 @@ def metric_rows(info: dict, cfg: dict, steps: int, minibatches: int, layers: int
                          "ratio/token_var": (1e-4 if gspo else 1e-3) * noise, "ratio/extreme_frac": 1e-3 * noise,
                          "routing/expert_change": 0.0 if replay else latent, "routing/expert_change_latent": latent,
                          **layer, "reward/mean": min(1.0, 0.3 + 0.02 * step / mult ** 0.25) * noise,
-                         "reward/std": 0.4, "optim/grad_norm": noise})
+                         "reward/std": 0.4, "optim/grad_norm": noise, **_decomposition(replay, gspo, noise)})
     return rows
+
+
+def _decomposition(replay: bool, gspo: bool, noise: float) -> dict:
+    """The ratio decomposition's columns: routing makes up half of GRPO's log-ratio noise, less elsewhere."""
+    route, weight = (1e-4 if replay or gspo else 1e-3) * noise, 1e-3 * noise
+    return {"ratio/d_route_var": route, "ratio/d_weight_var": weight, "ratio/d_cov": 0.0,
+            "ratio/routing_share": route / (route + weight), "ratio/route_extreme_frac": 1e-3 * noise,
+            "ratio/route_clip_exit_frac": 1e-4 * noise}
 
 
 def eval_rows(info: dict, steps: int, eval_every: int) -> list[dict]:
@@ -120,7 +128,7 @@ def atlas_arms() -> dict[str, dict]:
 
 def write_reference(root: Path, seeds=(0, 1)) -> Path:
     """A results/reference look-alike: paper/, clip_sweep/, volatility_sweep/, atlas/, instability/,
-    stabilizers/."""
+    stabilizers/, replay_rescue/, replay_map/."""
     root = Path(root)
     write_experiment(root / "paper", PAPER_ARMS, seeds)
     write_experiment(root / "clip_sweep", clip_sweep_arms(), seeds, steps=4)
@@ -130,4 +138,10 @@ def write_reference(root: Path, seeds=(0, 1)) -> Path:
     write_experiment(root / "instability", PAPER_ARMS, seeds, steps=4)
     write_experiment(root / "stabilizers", {**PAPER_ARMS, "sapo": {"rl": {"algo": "sapo"}},
                                             "cispo": {"rl": {"algo": "cispo"}}}, seeds, steps=4)
+    write_experiment(root / "replay_rescue", PAPER_ARMS, seeds, steps=4)
+    map_arms = {f"{a}__{label}": _merge(PAPER_ARMS[a], over) for a in ("grpo", "grpo_r2", "gspo")
+                for label, over in (("base", {}), ("top_k=2", {"model": {"top_k": 2}}))}
+    replay = write_experiment(root / "replay_map", map_arms, seeds, steps=4)
+    (replay / "experiment.yaml").write_text(json.dumps({"name": "replay_map",
+                                                        "factors": {"top_k": {"1": {}, "2": {"model.top_k": 2}}}}))
     return root

@@ -213,7 +213,8 @@ def test_volatility_sweep_panels(root):
 
 def test_write_figures_paper_writes_per_step_figures_only(root, tmp_path):
     paths = figures.write_figures(root / "paper", tmp_path / "figs", formats=("png", "svg"))
-    assert [p.name for p in paths] == [f"{n}.{f}" for n in PER_STEP_FIGURES for f in ("png", "svg")]
+    # GRPO with and without replay, ratio decomposition logged: the rescue figure too
+    assert [p.name for p in paths] == [f"{n}.{f}" for n in [*PER_STEP_FIGURES, "rescue"] for f in ("png", "svg")]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths if p.suffix == ".png")
     assert all(b"<svg" in p.read_bytes()[:2000] for p in paths if p.suffix == ".svg")
 
@@ -314,7 +315,8 @@ def test_atlas_small_multiples_one_column_per_factor(tmp_path):
                 assert list(line.get_ydata()) == pytest.approx(list(rows[col]))
     assert axes[1, 0].get_yscale() == "log" and axes[0, 0].get_yscale() == "linear"
     assert "R2" in axes[2, 0].get_ylabel() and legend_texts(fig) == ["GRPO", "GRPO + R2 replay", "GSPO"]
-    assert list(figures.planned_figures(metrics, evals))[-1] == "atlas"
+    # the synthetic runs log the ratio decomposition, so GRPO vs R2 also gets the replay map after the atlas
+    assert list(figures.planned_figures(metrics, evals))[-2:] == ["atlas", "replay_map"]
 
 
 def test_atlas_needs_factor_labels_and_sweeps_are_not_atlases(paper, root):
@@ -396,5 +398,5 @@ def test_a_factors_design_gets_only_the_atlas(tmp_path):
     arms.update({f"{a}__noise=0.1": {"rl": {**PAPER_ARMS[a]["rl"], "router_noise": 0.1}} for a in ("grpo", "grpo_r2")})
     metrics, evals = results.load_runs(write_experiment(tmp_path / "f", arms, seeds=(0,), steps=4, layers=2))
     design = {"factors": {"noise": {"0": {}, "0.1": {"rl.router_noise": 0.1}}}}
-    assert list(figures.planned_figures(metrics, evals, design)) == ["atlas"]
+    assert list(figures.planned_figures(metrics, evals, design)) == ["atlas", "replay_map"]
     assert "reward_curves" in figures.planned_figures(metrics, evals)  # without the design: per-arm figures too

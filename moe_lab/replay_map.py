@@ -1,0 +1,80 @@
+"""The replay map (experiments/replay_map.yaml) and the replay-rescue summary: where Routing Replay matters.
+
+One point per setting (a factor level of a one-factor-at-a-time experiment, or the whole experiment): x is
+how much of GRPO's importance-ratio noise comes from routing (``ratio/routing_share`` of its runs, the ratio
+decomposition of docs/metrics.md), y is what replay (or GSPO) buys over GRPO in final greedy accuracy.
+Reads the frames of moe_lab.results; never trains, never reads files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from moe_lab.results import _check_columns, mean_ci, t_quantile_975
+from moe_lab.stability import _with_labels
+
+SHARE = "ratio/routing_share"
+REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay
+TREATMENTS = ("grpo_r2", "grpo_r3", "gspo", "gspo_token")
+
+
+def welch_diff_ci(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), lo, hi): the difference of two means with its 95% Welch interval (unequal
+    variances; Welch-Satterthwaite degrees of freedom, floored: conservative). NaN bounds when either side has < 2 finite values."""
+    a, b = (np.asarray([v for v in x if math.isfinite(v)], float) for x in (a, b))
+    if not len(a) or not len(b):
+        return math.nan, math.nan, math.nan
+    diff = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return diff, math.nan, math.nan
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return diff, diff, diff
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    # Degrees of freedom floored to an integer: a tabulated quantile, and the interval errs wide, never narrow.
+    half = t_quantile_975(math.floor(dof)) * se
+    return diff, diff - half, diff + half
+
+
+def _per_run(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """One row per run: keys, seed, share (mean of the run's logged routing shares), acc (final greedy)."""
+    run = [*keys, "seed"]
+    m = metrics_df.dropna(subset=[SHARE]) if SHARE in metrics_df else metrics_df.iloc[:0]
+    share = m.groupby(run, dropna=False)[SHARE].mean().rename("share")
+    last = eval_df[eval_df["step"] == eval_df.groupby(run, dropna=False)["step"].transform("max")]
+    acc = last.groupby(run, dropna=False)["eval/acc_greedy"].mean().rename("acc")
+    return pd.concat([share, acc], axis=1).reset_index()
+
+
+def replay_map_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = REFERENCE,
+                     treatments: Sequence[str] = TREATMENTS) -> pd.DataFrame:
+    """One row per (setting, treatment arm present): factor, level (both None outside a factors design),
+    share (mean over the reference arm's runs of their mean ratio/routing_share) with share_lo/share_hi (95%
+    t-interval over seeds), gap = mean final greedy accuracy of the treatment minus the reference's, with
+    gap_lo/gap_hi (Welch 95%), acc_ref, acc_treat, n_ref, n_treat. A factors design's shared base cells
+    ('<arm>__base') are one setting of their own (factor 'base'): each setting appears once on the map."""
+    _check_columns(metrics_df, ["arm", "seed", "step"], "metrics_df")
+    _check_columns(eval_df, ["arm", "seed", "step", "eval/acc_greedy"], "eval_df")
+    m, e = (_with_labels(f) for f in (metrics_df, eval_df))
+    m, e = (f.assign(factor=f["factor"].fillna("-"), level=f["level"].fillna("-")) for f in (m, e))
+    runs = _per_run(m, e, ["factor", "level", "arm_base"])
+    rows = []
+    for (factor, level), cell in runs.groupby(["factor", "level"], sort=False):
+        ref = cell[cell["arm_base"] == reference]
+        if not len(ref):
+            continue
+        share, share_lo, share_hi = mean_ci(ref["share"])
+        for arm in (t for t in treatments if t in set(cell["arm_base"])):
+            treat = cell[cell["arm_base"] == arm]
+            gap, lo, hi = welch_diff_ci(treat["acc"], ref["acc"])
+            rows.append({"factor": None if factor == "-" else factor, "level": None if level == "-" else level,
+                         "treatment": arm, "share": share, "share_lo": share_lo, "share_hi": share_hi,
+                         "gap": gap, "gap_lo": lo, "gap_hi": hi, "acc_ref": ref["acc"].mean(),
+                         "acc_treat": treat["acc"].mean(), "n_ref": len(ref), "n_treat": len(treat)})
+    return pd.DataFrame(rows, columns=["factor", "level", "treatment", "share", "share_lo", "share_hi", "gap",
+                                       "gap_lo", "gap_hi", "acc_ref", "acc_treat", "n_ref", "n_treat"])
