@@ -1,7 +1,7 @@
 """Typed configuration: one dataclass per concern, one documented and validated field each.
 
 Every field is declared with :func:`param`, which carries its help text and its allowed values, so that
-validation, the README's field table and the command-line overrides all read the same declaration.
+validation, the field table in docs/config.md and the command-line overrides all read the same declaration.
 Nothing here imports torch or the runner: a config can be checked before any work starts.
 """
 
@@ -339,7 +339,7 @@ def dump_yaml(cfg: Any) -> str:
 
 
 def field_table(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(name, default, allowed, help) for every field: the README's config table is generated from this."""
+    """(name, default, allowed, help) for every field: docs/config.md's config table is generated from this."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
