@@ -49,7 +49,8 @@ SAPO_TAU_NEG_DEFAULT = 1.05
 RSPO_FLOOR_DEFAULT = 0.5
 _GRPO_METRIC_RANGE = PAPER_CLIP["grpo"]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
 # DPPO truncates the (detached) ratio at this cap (verl's clip_ratio_c). The authors' run script sets 10000
-# ("disable dual-clip PPO and TIS for a fair comparison"; the paper recommends a large cap, section 5.4).
+# ("disable dual-clip PPO and TIS for a fair comparison"); verl's code cites the paper's section 5.4 for
+# a large cap (truncation biases the gradient). The value, like CISPO's, is built on logp_new itself.
 DPPO_RATIO_CAP_DEFAULT = 10000.0
 # VESPO's kernel shape (k_pos, lambda_pos, k_neg, lambda_neg): TRL's GRPOConfig defaults (vespo_k_pos ...).
 VESPO_SHAPE_DEFAULT = (2.0, 3.0, 3.0, 2.0)
