@@ -84,10 +84,11 @@ class RLConfig:
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
                                 "rollout (R3: routing recorded during generation)", choices=C.REPLAY_MODES)
-    clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO 3e-4, CISPO 1.0 = no lower bound, "
-                                         "GMPO/RSPO 0.4 in log space; SAPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
-    clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO 4e-4, CISPO 0.28, GMPO/RSPO 0.4 "
-                                          "in log space)", ge=0.0)
+    clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO/LUSPO 3e-4, CISPO 1.0 = no lower "
+                                         "bound, GMPO/RSPO 0.4 in log space, DPPO thresholds TV 0.15 / KL 0.05; "
+                                         "SAPO/VESPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
+    clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO/LUSPO 4e-4, CISPO 0.28, "
+                                          "GMPO/RSPO 0.4 in log space, DPPO TV 0.15 / KL 0.05)", ge=0.0)
     loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences; -norm divides each "
                                                  "sequence's token sum by the task's fixed response budget",
                           choices=C.LOSS_AGGS)
@@ -97,6 +98,13 @@ class RLConfig:
     sapo_tau_neg: float = param(1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)", gt=0.0)
     rspo_floor: float = param(0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma but gives "
                                    "no value we could read; 0.5 is ours)", gt=0.0, le=1.0)
+    dppo_ratio_cap: float = param(10000.0, "DPPO (dppo_tv, dppo_kl) truncation of the detached ratio (verl's "
+                                           "clip_ratio_c; the authors' 10000 = practically off); their clip_low/high "
+                                           "are divergence thresholds", ge=1.0)
+    vespo_k_pos: float = param(2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0)
+    vespo_lambda_pos: float = param(3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0)
+    vespo_k_neg: float = param(3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0)
+    vespo_lambda_neg: float = param(2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)
     rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
                                             "truncate (tis), mask (mis) or IcePop's two-sided mask",
                                     choices=C.ROLLOUT_CORRECTION_MODES)

@@ -26,10 +26,12 @@ import torch
 
 from moe_lab import constants as C
 from moe_lab.objectives import (
+    DPPO_RATIO_CAP_DEFAULT,
     OBJECTIVES,
     RSPO_FLOOR_DEFAULT,
     SAPO_TAU_NEG_DEFAULT,
     SAPO_TAU_POS_DEFAULT,
+    VESPO_SHAPE_DEFAULT,
     ObjectiveInputs,
     ObjectiveTerms,
 )
@@ -117,7 +119,7 @@ def _check_advantages(advantages, mask_BT: torch.Tensor, algo: str) -> None:
         raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {_shape(advantages)}")
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating tensor, got dtype {advantages.dtype}")
-    if advantages.ndim == 2 and algo in ("gspo", "gspo_unnormalized"):  # gmpo/rspo average them (as verl)
+    if advantages.ndim == 2 and algo in ("gspo", "gspo_unnormalized", "luspo"):  # gmpo/rspo average them (as verl)
         keep_BT = mask_BT.bool()
         high_B = torch.where(keep_BT, advantages, -math.inf).amax(dim=-1)
         low_B = torch.where(keep_BT, advantages, math.inf).amin(dim=-1)
@@ -206,12 +208,23 @@ def _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT):
 # ---------------------------------------------------------------- the objective
 
 
-def _check_objective_params(algo, sapo_tau_pos, sapo_tau_neg, rspo_floor) -> None:
+def _objective_knobs(sapo_tau_pos, sapo_tau_neg, rspo_floor, dppo_ratio_cap, vespo_shape) -> dict:
+    """The per-objective knobs, checked, as plain floats (NumPy scalars would promote tensor arithmetic to
+    their own dtype rules): the keyword arguments of ObjectiveInputs."""
     for name, tau in (("sapo_tau_pos", sapo_tau_pos), ("sapo_tau_neg", sapo_tau_neg)):
         if not (_real(tau) and 0.0 < tau < math.inf):
             raise ValueError(f"{name} must be a finite float > 0, got {tau!r}")
     if not (_real(rspo_floor) and 0.0 < rspo_floor <= 1.0):
         raise ValueError(f"rspo_floor must be a float with 0 < rspo_floor <= 1, got {rspo_floor!r}")
+    if not (_real(dppo_ratio_cap) and 1.0 <= dppo_ratio_cap < math.inf):
+        raise ValueError(f"dppo_ratio_cap must be a finite float >= 1, got {dppo_ratio_cap!r}")
+    # k = 0 is allowed (no suppression of small W); lambda = 0 would make phi grow without bound.
+    for name, value, op in zip(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), vespo_shape,
+                               (">=", ">", ">=", ">")):
+        if not (_real(value) and (value >= 0.0 if op == ">=" else value > 0.0) and value < math.inf):
+            raise ValueError(f"{name} must be a finite float {op} 0, got {value!r}")
+    return dict(sapo_tau_pos=float(sapo_tau_pos), sapo_tau_neg=float(sapo_tau_neg), rspo_floor=float(rspo_floor),
+                dppo_ratio_cap=float(dppo_ratio_cap), vespo_shape=tuple(float(v) for v in vespo_shape))
 
 
 def _check_token_weights(name: str, x, shape: tuple[int, ...]) -> None:
@@ -298,6 +311,11 @@ def policy_loss(
     rspo_floor: float = RSPO_FLOOR_DEFAULT,
     router_gamma_BT: torch.Tensor | None = None,
     is_weights_BT: torch.Tensor | None = None,
+    dppo_ratio_cap: float = DPPO_RATIO_CAP_DEFAULT,
+    vespo_k_pos: float = VESPO_SHAPE_DEFAULT[0],
+    vespo_lambda_pos: float = VESPO_SHAPE_DEFAULT[1],
+    vespo_k_neg: float = VESPO_SHAPE_DEFAULT[2],
+    vespo_lambda_neg: float = VESPO_SHAPE_DEFAULT[3],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss (to minimise) of objective ``algo`` and its metrics (see docs/metrics.md).
 
@@ -310,12 +328,14 @@ def policy_loss(
     router-shift ratio (None = 1: unchanged router). is_weights_BT: rollout-correction weights
     (``rollout_correction.rollout_correction``), multiplied into the per-token terms before the
     aggregation (for gmpo/rspo folded per sequence as a geometric mean, see ``_fold_is_weights``).
+    dppo_*: for dppo_tv / dppo_kl clip_low / clip_high are the divergence thresholds (verl's
+    clip_ratio_low / high) and dppo_ratio_cap truncates the detached ratio (verl's clip_ratio_c).
+    vespo_*: VESPO's kernel exponents k and decays lambda for A >= 0 (pos) and A < 0 (neg).
     """
     _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len)
-    _check_objective_params(algo, sapo_tau_pos, sapo_tau_neg, rspo_floor)
-    # plain floats from here on: NumPy scalars would promote tensor arithmetic to their own dtype rules
-    clip_low, clip_high, sapo_tau_pos, sapo_tau_neg, rspo_floor = map(
-        float, (clip_low, clip_high, sapo_tau_pos, sapo_tau_neg, rspo_floor))
+    knobs = _objective_knobs(sapo_tau_pos, sapo_tau_neg, rspo_floor, dppo_ratio_cap,
+                             (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg))
+    clip_low, clip_high = float(clip_low), float(clip_high)  # plain floats, as the knobs
     dual_clip_c = None if dual_clip_c is None else float(dual_clip_c)
     norm_len = None if norm_len is None else float(norm_len)
     _check_tensors(logp_new_BT, logp_old_BT, advantages, mask_BT, algo, router_gamma_BT, is_weights_BT)
@@ -328,7 +348,7 @@ def policy_loss(
     objective = OBJECTIVES[algo]
     terms = objective.fn(ObjectiveInputs(
         d_BT, logp_new_BT, adv_BT, keep_BT, clip_low, clip_high, dual_clip_c,
-        sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, rspo_floor=rspo_floor, router_gamma_BT=router_gamma_BT,
+        router_gamma_BT=router_gamma_BT, logp_old_BT=logp_old_BT, **knobs,
     ))
     loss_BT = _is_weighted(terms.loss_BT, is_weights_BT, keep_BT, objective.sequence_level, dtype)
     loss = aggregate_loss(loss_BT, keep_BT, loss_agg, norm_len=norm_len)

@@ -17,6 +17,10 @@ Adding an objective = one function here + one line in ``OBJECTIVES`` (+ its name
 | cispo | -sg(clip(w, 1-lo, 1+hi)) A logp_new | 1.0 / 0.28 (no lower bound) | arXiv:2506.13585 |
 | gmpo | -A_i exp(mean_t c_t), c_t = d_t clipped to [-lo, hi] on A's side only | 0.4 / 0.4 (log space) | arXiv:2507.20673 |
 | rspo | gmpo on d_t + log sg(max(gamma_t, floor)) | 0.4 / 0.4 (log space) | arXiv:2510.23027 |
+| dppo_tv | -A sg(min(w, cap)) logp_new M, M = 0 where p_new - p_old leaves [-lo, hi] on A's side | 0.15 / 0.15 (TV) | arXiv:2602.04879 |
+| dppo_kl | the same with M from the binary KL(p_old, p_new) | 0.05 / 0.05 (KL) | arXiv:2602.04879 |
+| luspo | gspo's term times |y_i| | 3e-4 / 4e-4 | arXiv:2602.05261 |
+| vespo | -sg(phi(W_i)) A logp_new, W_i = exp(sum_t d), phi(W) = W^k e^(lam (1 - W)) | (metrics only) | arXiv:2602.10693 |
 
 Sequence-level objectives (gmpo, rspo) broadcast the per-sequence term over the response, so
 ``seq-mean-token-mean`` gives mean_i of it (verl's ``geo_mean`` always takes that mean).
@@ -30,10 +34,11 @@ from typing import Callable
 
 import torch
 
+from moe_lab.constants import PAPER_CLIP
 from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "OBJECTIVES", "RSPO_FLOOR_DEFAULT",
-           "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT"]
+           "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT", "VESPO_SHAPE_DEFAULT"]
 
 # SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
 SAPO_TAU_POS_DEFAULT = 1.0
@@ -42,6 +47,13 @@ SAPO_TAU_NEG_DEFAULT = 1.05
 # dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
 # our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
 RSPO_FLOOR_DEFAULT = 0.5
+_GRPO_METRIC_RANGE = PAPER_CLIP["grpo"]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
+# DPPO truncates the (detached) ratio at this cap (verl's clip_ratio_c). The authors' run script sets 10000
+# ("disable dual-clip PPO and TIS for a fair comparison"); verl's code cites the paper's section 5.4 for
+# a large cap (truncation biases the gradient). The value, like CISPO's, is built on logp_new itself.
+DPPO_RATIO_CAP_DEFAULT = 10000.0
+# VESPO's kernel shape (k_pos, lambda_pos, k_neg, lambda_neg): TRL's GRPOConfig defaults (vespo_k_pos ...).
+VESPO_SHAPE_DEFAULT = (2.0, 3.0, 3.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,9 @@ class ObjectiveInputs:
     sapo_tau_neg: float = SAPO_TAU_NEG_DEFAULT
     rspo_floor: float = RSPO_FLOOR_DEFAULT
     router_gamma_BT: torch.Tensor | None = None  # 1 at masked positions; None = unchanged router
+    logp_old_BT: torch.Tensor | None = None  # detached, 0 at masked positions (DPPO's probabilities)
+    dppo_ratio_cap: float = DPPO_RATIO_CAP_DEFAULT
+    vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE_DEFAULT  # (k_pos, lambda_pos, k_neg, lambda_neg)
 
 
 @dataclass
@@ -244,6 +259,95 @@ def rspo(x: ObjectiveInputs) -> ObjectiveTerms:
     return terms
 
 
+# ---------------------------------------------------------------- DPPO
+
+
+def _dppo_terms(x: ObjectiveInputs, keep_grad_BT: torch.Tensor, divergence_BT: torch.Tensor) -> ObjectiveTerms:
+    """DPPO's shared term: L = -A sg(min(w, cap)) logp_new on the tokens the divergence mask keeps."""
+    ratio_BT = torch.exp(x.d_BT)
+    weight_BT = ratio_BT.clamp(max=x.dppo_ratio_cap).detach()
+    # A multiplication by the 0/1 mask (not a where): a masked token keeps its loss value 0 * term, as verl.
+    loss_BT = -x.adv_BT * weight_BT * x.logp_new_BT * keep_grad_BT.to(x.d_BT.dtype)
+    dropped_BT = ~keep_grad_BT & x.keep_BT
+    truncated_BT = (ratio_BT.detach() > x.dppo_ratio_cap) & keep_grad_BT
+    low, high = _GRPO_METRIC_RANGE  # the thresholds are not ratio bounds: clip_frac/low|high on GRPO's range
+    return ObjectiveTerms(loss_BT, ratio_BT, dropped_BT, torch.zeros_like(dropped_BT), _none_B(x.d_BT), (low, high),
+                          {"objective/dppo_divergence_mean": masked_mean(divergence_BT.detach(), x.keep_BT),
+                           "objective/dppo_truncated_frac": masked_mean(truncated_BT.to(x.d_BT.dtype), x.keep_BT)})
+
+
+def dppo_tv(x: ObjectiveInputs) -> ObjectiveTerms:
+    """DPPO-Binary-TV (arXiv:2602.04879): PPO's ratio mask replaced by one on the sampled token's
+    probability change p_new - p_old (the binary total-variation estimate): a token with A > 0 keeps its
+    gradient while p_new - p_old <= clip_high, one with A <= 0 while p_new - p_old >= -clip_low; the
+    others get none. Kept tokens get sg(min(w, dppo_ratio_cap)) A grad logp_new: truncated IS (verl's
+    clip_ratio_c) instead of a dual clip. Checked equal to verl's compute_policy_loss_dppo_tv (tests).
+    ``objective/dppo_divergence_mean`` = token mean of |p_new - p_old|; clip_frac/active = masked tokens.
+    """
+    p_new_BT, p_old_BT = torch.exp(x.logp_new_BT.detach()), torch.exp(x.logp_old_BT)
+    change_BT = p_new_BT - p_old_BT
+    keep_grad_BT = torch.where(x.adv_BT > 0, change_BT <= x.clip_high, change_BT >= -x.clip_low) & x.keep_BT
+    return _dppo_terms(x, keep_grad_BT, change_BT.abs())
+
+
+def dppo_kl(x: ObjectiveInputs) -> ObjectiveTerms:
+    """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL(Bern(p_old) || Bern(p_new))
+    = p_old log(p_old / p_new) + (1 - p_old) log((1 - p_old) / (1 - p_new)) as the divergence; the mask
+    only stops a move away on the advantage's side (A > 0: p_new > p_old and KL > clip_high; A <= 0:
+    p_new < p_old and KL > clip_low). The 1 - p terms carry verl's + 1e-8 (p = 1 would give log 0).
+    """
+    # p <= 1 for log-probs; a positive "log-prob" (no distribution) counts as 1, keeping the log finite.
+    p_new_BT, p_old_BT = torch.exp(x.logp_new_BT.detach()).clamp(max=1.0), torch.exp(x.logp_old_BT).clamp(max=1.0)
+    eps = 1e-8
+    kl_BT = p_old_BT * (x.logp_old_BT - x.logp_new_BT.detach()) \
+        + (1.0 - p_old_BT) * (torch.log(1.0 - p_old_BT + eps) - torch.log(1.0 - p_new_BT + eps))
+    up_BT, down_BT = p_new_BT > p_old_BT, p_new_BT < p_old_BT
+    blocked_BT = torch.where(x.adv_BT > 0, up_BT & (kl_BT > x.clip_high), down_BT & (kl_BT > x.clip_low))
+    return _dppo_terms(x, ~blocked_BT & x.keep_BT, kl_BT)
+
+
+# ---------------------------------------------------------------- LUSPO and VESPO
+
+
+def luspo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """LUSPO (arXiv:2602.05261): GSPO's clipped sequence term scaled by the response length |y_i|, undoing
+    the length bias of GSPO's 1/|y_i| mean (its gradient per token no longer shrinks with length).
+    The factor goes into the broadcast term, so the default ``seq-mean-token-mean`` gives
+    mean_i |y_i| L_i^GSPO, TRL's ``loss_type="luspo"`` (with importance_sampling_level="sequence");
+    other loss_agg values multiply the factor into their own weighting (token-mean: |y_i|^2 / sum|y|).
+    Dual clip is not offered (TRL's two-sided ``delta`` is a different bound).
+    """
+    terms = gspo(x)
+    terms.loss_BT = terms.loss_BT * x.keep_BT.sum(dim=-1, keepdim=True).to(x.d_BT.dtype)
+    return terms
+
+
+def vespo(x: ObjectiveInputs) -> ObjectiveTerms:
+    """VESPO (arXiv:2602.10693): a smooth kernel on the UNnormalised sequence ratio W_i = exp(sum_t d):
+    phi(W) = W^k exp(lam (1 - W)) (phi(1) = 1, peak at W = k / lam), L = -sg(phi(W_i)) A logp_new;
+    (k, lam) = vespo_shape's (k_pos, lambda_pos) for A >= 0, (k_neg, lambda_neg) for A < 0 (TRL's split).
+    As TRL's ``loss_type="vespo"``: log W clamped to [log 1e-8, 20] (TRL's bounds), phi computed in log
+    space. Differences from TRL: TRL puts the vLLM rollout IS ratio inside W, here rollout-correction
+    weights multiply the term like every objective's; TRL divides the token sum by the batch's token count
+    (rl.loss_agg=token-mean here), the default here is seq-mean-token-mean. The paper's own kernel
+    parameters and aggregation are not in what we could read (its abstract): TRL's defaults are used.
+    ``objective/vespo_phi_mean`` = mean over sequences of phi (TRL's vespo/phi_seq_mean).
+    """
+    k_pos, lam_pos, k_neg, lam_neg = x.vespo_shape
+    log_w_B = x.d_BT.sum(dim=-1)
+    low = math.log(1e-8)
+    seq_clamped_B = (log_w_B.detach() < low) | (log_w_B.detach() > LOG_RATIO_BOUND)
+    log_w_BT = log_w_B.detach().clamp(low, LOG_RATIO_BOUND).unsqueeze(-1).expand_as(x.d_BT)
+    nonneg_BT = x.adv_BT >= 0
+    k_BT = torch.where(nonneg_BT, torch.full_like(x.d_BT, k_pos), torch.full_like(x.d_BT, k_neg))
+    lam_BT = torch.where(nonneg_BT, torch.full_like(x.d_BT, lam_pos), torch.full_like(x.d_BT, lam_neg))
+    phi_BT = torch.exp(lam_BT + k_BT * log_w_BT - lam_BT * torch.exp(log_w_BT))
+    none_BT = torch.zeros_like(x.keep_BT)
+    phi_B = masked_mean(phi_BT, x.keep_BT, dim=-1)
+    return ObjectiveTerms(-phi_BT * x.adv_BT * x.logp_new_BT, torch.exp(x.d_BT), none_BT, none_BT, seq_clamped_B,
+                          (x.clip_low, x.clip_high), {"objective/vespo_phi_mean": phi_B.mean()})
+
+
 OBJECTIVES: dict[str, Objective] = {
     "grpo": Objective(grpo, dual_clip=True),
     "gspo": Objective(gspo, dual_clip=True),
@@ -253,4 +357,8 @@ OBJECTIVES: dict[str, Objective] = {
     "cispo": Objective(cispo, clip_low_max=math.inf),
     "gmpo": Objective(gmpo, sequence_level=True, clip_low_max=math.inf),
     "rspo": Objective(rspo, sequence_level=True, clip_low_max=math.inf),
+    "dppo_tv": Objective(dppo_tv, clip_low_max=math.inf),
+    "dppo_kl": Objective(dppo_kl, clip_low_max=math.inf),
+    "luspo": Objective(luspo),
+    "vespo": Objective(vespo),
 }

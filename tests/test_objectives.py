@@ -16,7 +16,7 @@ from moe_lab.losses import ALL_ALGOS, LOSS_AGGS, policy_loss
 from moe_lab.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
 
 FAST = settings(max_examples=12, deadline=None)
-NEW = ("sapo", "cispo", "gmpo", "rspo")
+NEW = ("sapo", "cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl", "luspo", "vespo")
 GARBAGE = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e30, -1e30], dtype=torch.float64)
 
 
@@ -123,7 +123,7 @@ def test_value_and_gradient_match_loop_reference(B, T, seed, case, loss_agg, tok
        loss_agg=st.sampled_from(LOSS_AGGS))
 def test_garbage_in_masked_positions_changes_nothing(B, T, seed, algo, loss_agg):
     new, old, adv, mask, gamma, weights = make_batch(B, T, seed, token_adv=True)
-    if algo in ("gspo", "gspo_unnormalized"):  # one advantage per sequence
+    if algo in ("gspo", "gspo_unnormalized", "luspo"):  # one advantage per sequence
         adv = adv[:, :1].expand(B, T).clone()
     lo, hi = PAPER_CLIP[algo]
     kw = dict(algo=algo, clip_low=lo, clip_high=hi, loss_agg=loss_agg)
