@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -56,7 +57,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int = 0, bos
     special = dict(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     spec = _check_build_args(cfg, vocab_size, special)
     hf_cfg = spec.tiny_config(cfg, hf_kwargs(cfg, vocab_size, **special))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # model.shared_expert=False builds a width-0 shared expert: torch warns that initialising it is a no-op
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
         torch.manual_seed(cfg.seed)
         model = spec.model_cls._from_config(hf_cfg, attn_implementation=spec.attn_impl,
                                             experts_implementation=cfg.experts_impl, dtype=torch.float32)
