@@ -143,8 +143,9 @@ class RLConfig:
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient during RL (default off)", ge=0.0)
     rollout_router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the sampler's "
                                              "generation forwards only (an inference engine that routes "
-                                             "differently from the trainer, R3's setting); its own seeded "
-                                             "generator, never the sampling RNG", ge=0.0)
+                                             "differently from the trainer, R3's setting), not in evaluation; "
+                                             "its own generator seeded from (seed, step, prompts), never the "
+                                             "sampling RNG", ge=0.0)
     router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the old-policy and update "
                                      "forwards: emulates non-deterministic forwards, where repeated passes of one "
                                      "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
