@@ -10,7 +10,7 @@ from moe_lab.config import ConfigError, ModelConfig, RLConfig, RunConfig, TaskCo
 from moe_lab.models import build_model
 from moe_lab.rollout import forward_logits, generate
 from moe_lab.routing import expert_change, record
-from moe_lab.step import collect
+from moe_lab.step import _rollout_noise_gen, collect
 from moe_lab.tasks import get_task
 
 
@@ -70,3 +70,11 @@ def test_rollout_noise_never_draws_from_the_sampling_rng():
 def test_negative_noise_is_refused():
     with pytest.raises(ConfigError, match="rl.rollout_router_noise=-0.1 is out of range"):
         setup(-0.1)
+
+
+def test_each_prompt_group_draws_its_own_noise():
+    """The data-parallel path collects group by group: equal (seed, step) must not mean equal noise."""
+    cfg = setup(0.5)[0]
+    draw = lambda step, prompts: torch.randn(8, generator=_rollout_noise_gen(cfg, step, prompts))  # noqa: E731
+    assert torch.equal(draw(3, ["s1="]), draw(3, ["s1="]))
+    assert not torch.equal(draw(3, ["s1="]), draw(3, ["s2="])) and not torch.equal(draw(3, ["s1="]), draw(4, ["s1="]))
