@@ -47,18 +47,18 @@ META_FILE = "coldstart.json"
 
 # Fields added after caches existed: hashed only when set away from their default, so that every config
 # that does not use them keeps the key (and the cached model) it had before they existed.
-_HASHED_IF_SET = {"aux_loss_coef": 0.0}
+_HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0}, "model": {"shared_expert": True}, "task": {"mixture": []}}
 
 
 def cache_key(cfg: RunConfig) -> str:
     """sha256 of the canonical JSON of everything that determines the warmed-up weights (not cache_dir)."""
-    coldstart = dataclasses.asdict(cfg.coldstart)
-    coldstart.pop("cache_dir")
-    for name, default in _HASHED_IF_SET.items():
-        if coldstart[name] == default:
-            coldstart.pop(name)
-    payload = {"format": FORMAT_VERSION, "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
-               "coldstart": coldstart}
+    sections = {name: dataclasses.asdict(getattr(cfg, name)) for name in ("model", "task", "coldstart")}
+    sections["coldstart"].pop("cache_dir")
+    for section, defaults in _HASHED_IF_SET.items():
+        for name, default in defaults.items():
+            if sections[section][name] == default:
+                sections[section].pop(name)
+    payload = {"format": FORMAT_VERSION, **sections}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

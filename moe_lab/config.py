@@ -25,6 +25,8 @@ def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | 
           gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
     """A dataclass field with its help text and allowed values (read by validate() and the docs)."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, list):
+        meta["is_list"] = True  # choices then constrain every element
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -41,9 +43,16 @@ class ModelConfig:
     num_heads: int = param(4, "attention heads; hidden_size must be divisible by it", ge=1)
     num_kv_heads: int = param(2, "key/value heads (GQA); num_heads must be divisible by it", ge=1)
     num_experts: int = param(8, "routed experts per MoE layer", ge=2, le=1024)
-    top_k: int = param(2, "experts activated per token", ge=1)
+    top_k: int = param(2, "experts activated per token. top_k=1: families that renormalise the chosen weights "
+                          "(qwen3_moe, mixtral, deepseek_v3, gpt_oss) give each token gate weight 1, so their router "
+                          "gets no gradient from the policy loss (only from aux_loss_coef); qwen2_moe and olmoe keep "
+                          "the softmax probability (Switch-style) and do", ge=1)
     moe_intermediate_size: int = param(128, "hidden width of one routed expert", ge=1)
     intermediate_size: int = param(256, "hidden width of dense/shared-expert MLPs where the family has them", ge=1)
+    shared_expert: bool = param(True, "keep the always-on shared expert of the families that have one (qwen2_moe, "
+                                      "deepseek_v3); False removes it (width 0: output exactly 0), so every token's MLP "
+                                      "output depends on its routing alone. The other families have none: there it "
+                                      "changes nothing")
     max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
     experts_impl: str = param("grouped_mm", "transformers experts kernel; batched_mm is ~50x slower on CPU and refused",
                               choices=C.EXPERTS_KERNELS)
@@ -61,6 +70,10 @@ class TaskConfig:
                             "letters of long_copy's block (its response writes the block 8 times)", ge=1, le=64)
     partial_credit: bool = param(False, "reward = share of correct answer characters instead of exact match (0/1)")
     eval_size: int = param(128, "held-out evaluation prompts (disjoint from training prompts)", ge=1)
+    mixture: list[str] = param([], "sub-tasks of task.name=mixture (>= 2, distinct, single tasks only): each prompt "
+                                   "starts with one tag token naming its task (moe_lab/tasks/mixture.py), the reward "
+                                   "is the sub-task's, task.length applies to each; empty for a single task",
+                               choices=C.SINGLE_TASKS)
 
 
 @dataclass
@@ -136,6 +149,11 @@ class RLConfig:
     kl_kind: str = param("k3", "KL estimator", choices=C.KL_KINDS)
     kl_mode: str = param("loss", "KL as a loss term or as a per-token reward penalty", choices=C.KL_MODES)
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient during RL (default off)", ge=0.0)
+    rollout_router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the sampler's "
+                                             "generation forwards only (an inference engine that routes "
+                                             "differently from the trainer, R3's setting), not in evaluation; "
+                                             "its own generator seeded from (seed, step, prompts), never the "
+                                             "sampling RNG", ge=0.0)
     router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the old-policy and update "
                                      "forwards: emulates non-deterministic forwards, where repeated passes of one "
                                      "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
@@ -196,6 +214,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return any(_type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_type_ok(v, typing.get_args(tp)[0]) for v in value)
     if tp is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:
@@ -205,7 +225,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
 
 def _allowed(meta: dict) -> str:
     if meta.get("choices"):
-        return "one of " + ", ".join(map(str, meta["choices"]))
+        return ("a list of " if meta.get("is_list") else "one of ") + ", ".join(map(str, meta["choices"]))
     parts = [f"{op} {meta[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if meta.get(k) is not None]
     return " and ".join(parts) or "any value of the declared type"
 
@@ -214,6 +234,11 @@ def _check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
     if not _type_ok(value, tp):
         raise ConfigError(f"{name}: expected {tp}, got {value!r}")
     if value is None:
+        return
+    if isinstance(value, list):
+        bad = [v for v in value if meta.get("choices") and v not in meta["choices"]]
+        if bad:
+            raise ConfigError(f"{name}={value!r}: {bad[0]!r} is not allowed: allowed {_allowed(meta)}")
         return
     if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
         # training is fp32: a larger value is inf there and fails only after the cold start
@@ -258,7 +283,22 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"rl.dual_clip_c={rl.dual_clip_c}: applies to grpo and the gspo variants only, not "
                           f"rl.algo={rl.algo}; leave it None")
     _check_rollout_correction(rl)
+    _check_mixture(cfg.task)
     return cfg
+
+
+def _check_mixture(task: TaskConfig) -> None:
+    if task.name != "mixture":
+        if task.mixture:
+            raise ConfigError(f"task.mixture={task.mixture!r} is set but task.name={task.name}; use task.name=mixture "
+                              "or leave task.mixture empty")
+        return
+    if len(set(task.mixture)) < 2 or len(set(task.mixture)) != len(task.mixture):
+        raise ConfigError(f"task.mixture={task.mixture!r}: task.name=mixture needs >= 2 distinct tasks of "
+                          f"{', '.join(C.SINGLE_TASKS)}")
+    if task.eval_size < len(task.mixture):
+        raise ConfigError(f"task.eval_size={task.eval_size}: a mixture of {len(task.mixture)} tasks needs "
+                          f">= {len(task.mixture)} (each sub-task holds out its share)")
 
 
 def _check_rollout_correction(rl: RLConfig) -> None:

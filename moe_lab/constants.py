@@ -39,7 +39,9 @@ ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "ti
 ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_BOUNDS)
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss")
-TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
+# The single tasks; "mixture" composes several of them (task.mixture), each prompt tagged with its task.
+SINGLE_TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
+TASKS = (*SINGLE_TASKS, "mixture")
 EXPERTS_KERNELS = ("grouped_mm", "eager")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16")

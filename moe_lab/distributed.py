@@ -14,7 +14,8 @@ rounding (~1e-6 relative), not bit for bit. Refused (one line each): ``rl.loss_a
 per-rank token means is not the global token mean), ``rl.whiten=batch`` (not group-local), a prompt count
 that does not split evenly, and ``rl.group_size`` not a multiple of ``rl.minibatches``. Not exact, only
 averaged over ranks: the KL loss term (``kl_mode=loss``), the aux loss, ``routing/load_*`` and
-``ratio/logratio_var`` (see docs/metrics.md); router noise draws depend on the rank's batch shape.
+``ratio/logratio_var`` (see docs/metrics.md); router noise draws depend on the rank's batch shape
+(``rl.rollout_router_noise`` is seeded per group, so its draws do not).
 """
 
 from __future__ import annotations

@@ -156,6 +156,13 @@ def _deepseek_groups(num_experts: int, top_k: int) -> tuple[int, int]:
     return n_group, topk_group
 
 
+def _shared_width(cfg: ModelConfig, width: int) -> int:
+    # model.shared_expert=False: a width-0 shared expert. transformers builds the module unconditionally; with
+    # no hidden units its output is exactly 0 (an empty sum), in the forward, in save/load and on any device,
+    # so the block's output is the routed experts' alone. (qwen2_moe's sigmoid gate then multiplies 0.)
+    return width if cfg.shared_expert else 0
+
+
 def _qwen3(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     return Qwen3MoeConfig(**kw, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -163,7 +170,8 @@ def _qwen3(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
 
 def _qwen2(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     return Qwen2MoeConfig(**kw, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                          shared_expert_intermediate_size=cfg.intermediate_size, norm_topk_prob=False,
+                          shared_expert_intermediate_size=_shared_width(cfg, cfg.intermediate_size),
+                          norm_topk_prob=False,
                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
@@ -185,7 +193,8 @@ def _deepseek(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     # MLA has no grouped KV heads (keys/values are expanded per head): num_kv_heads does not apply.
     kw = {**kw, "num_key_value_heads": cfg.num_heads}
     return DeepseekV3Config(**kw, n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                            n_shared_experts=max(1, cfg.intermediate_size // cfg.moe_intermediate_size),
+                            n_shared_experts=_shared_width(cfg, max(1, cfg.intermediate_size
+                                                                    // cfg.moe_intermediate_size)),
                             first_k_dense_replace=0, n_group=n_group, topk_group=topk_group,
                             q_lora_rank=max(8, cfg.hidden_size // 2), kv_lora_rank=max(8, cfg.hidden_size // 4),
                             qk_rope_head_dim=rope_dim, qk_nope_head_dim=max(2, head_dim - rope_dim),

@@ -58,17 +58,21 @@ def _response_mask(new_ids_BN: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
-             greedy: bool = False, record_routing: bool = False) -> RolloutBatch:
+             greedy: bool = False, record_routing: bool = False, router_noise: float = 0.0,
+             noise_generator: torch.Generator | None = None) -> RolloutBatch:
     """Sample one response per prompt (repeat prompts for groups) with the KV cache.
 
     Sampling draws from torch's default generator: seed it (and checkpoint its state) for reproducibility.
+    router_noise > 0 adds N(0, router_noise^2) to every router logit of the generation forwards, drawn from
+    noise_generator only (so the sampling RNG stream is not consumed); the recorded trace is the noisy routing.
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_ids, prompt_mask = enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device)
     cfg = _generation_config(tokenizer, max_new_tokens, temperature, greedy)
     # router log-probs ride along (one log-softmax per layer and step): with rl.old_logp=rollout this trace is
     # the reference of routing/router_shift and RSPO's gamma
-    ctx = record(model, router_logp=True) if record_routing else contextlib.nullcontext()
+    noisy = dict(noise_std=router_noise, generator=noise_generator) if router_noise else {}
+    ctx = record(model, router_logp=True, **noisy) if record_routing or noisy else contextlib.nullcontext()
     with ctx as trace:
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=cfg)
     seq_BS = out.sequences

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,16 @@ class StepData:
 
 def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + salt)
+
+
+# rl.rollout_router_noise's own stream, far from the trainer's salts (0, 1 + update index, 999_983 + ...).
+# The prompts' crc32 joins the seed: the data-parallel path collects group by group, and each group must
+# draw its own noise (the same for any world size), not a copy of its neighbour's.
+ROLLOUT_NOISE_SALT = 1 << 40
+
+
+def _rollout_noise_gen(cfg: RunConfig, step: int, prompts: list[str]) -> torch.Generator:
+    return _noise_gen(cfg.seed, step, ROLLOUT_NOISE_SALT + zlib.crc32("\n".join(prompts).encode("utf-8")))
 
 
 def train_precision(policy, cfg: RunConfig):
@@ -95,11 +106,14 @@ def _reward_metrics(rewards_B: torch.Tensor, group_size: int, batch: RolloutBatc
             "response/length_max": float(batch.response_len_B.max())}
 
 
-def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str]) -> tuple[list[str], RolloutBatch]:
-    """Stage 1: group_size samples of every prompt, routing recorded (R3's trace)."""
+def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int = 0) -> tuple[list[str], RolloutBatch]:
+    """Stage 1: group_size samples of every prompt, routing recorded (R3's trace); rl.rollout_router_noise
+    perturbs the sampler's routing only (an inference engine that routes differently from the trainer)."""
     group_prompts = [p for p in prompts for _ in range(cfg.rl.group_size)]
+    noise = cfg.rl.rollout_router_noise
+    gen = _rollout_noise_gen(cfg, step, prompts) if noise else None
     batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
-                     temperature=cfg.rl.temperature, record_routing=True)
+                     temperature=cfg.rl.temperature, record_routing=True, router_noise=noise, noise_generator=gen)
     return group_prompts, batch
 
 
@@ -153,7 +167,7 @@ def _advantages(rewards_B: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
 def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
     """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages."""
     t0 = time.perf_counter()
-    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts)
+    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts, step)
     rewards_B = _rewards(task, group_prompts, batch)
     t1 = time.perf_counter()
     metrics = _reward_metrics(rewards_B, cfg.rl.group_size, batch)

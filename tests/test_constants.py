@@ -13,6 +13,7 @@ from moe_lab.losses import ALGOS, ALL_ALGOS, KL_KINDS, LOSS_AGGS
 from moe_lab.objectives import OBJECTIVES
 from moe_lab.rollout_correction import DEFAULT_BOUNDS, MODES
 from moe_lab.tasks import TASKS
+from moe_lab.tasks.mixture import SINGLE
 
 
 def _choices(cls, name: str) -> tuple:
@@ -23,7 +24,7 @@ def test_registries_match_the_constants():
     assert list(OBJECTIVES) == list(C.ALGOS) == list(ALL_ALGOS)
     assert set(C.PAPER_CLIP) == set(C.ALGOS)
     assert set(FAMILIES) == set(C.FAMILIES)
-    assert set(TASKS) == set(C.TASKS)
+    assert set(TASKS) == set(C.TASKS) and set(SINGLE) == set(C.SINGLE_TASKS)
     assert set(DEFAULT_BOUNDS) == set(MODES) == set(C.ROLLOUT_CORRECTION_MODES)
     assert EXPERTS_IMPLS == C.EXPERTS_KERNELS
     assert (ALGOS, LOSS_AGGS, KL_KINDS, WHITEN_MODES) == (C.PPO_CLIP_ALGOS, C.LOSS_AGGS, C.KL_KINDS, C.WHITEN_MODES)
@@ -45,6 +46,7 @@ def test_config_choices_are_the_constants():
     assert _choices(model, "family") == C.FAMILIES
     assert _choices(model, "experts_impl") == C.EXPERTS_KERNELS
     assert _choices(config.TaskConfig, "name") == C.TASKS
+    assert _choices(config.TaskConfig, "mixture") == C.SINGLE_TASKS == tuple(t for t in C.TASKS if t != "mixture")
     assert config.PAPER_CLIP is C.PAPER_CLIP
 
 

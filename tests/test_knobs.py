@@ -178,15 +178,17 @@ def test_sigkill_resume_reproduces_the_table_with_the_knobs_on(tmp_path):
 
 
 def test_default_cold_start_keeps_its_cache_key(tmp_path):
-    """The new field is hashed only when set: every existing cache entry stays valid."""
+    """Fields added later are hashed only when set: every existing cache entry stays valid."""
     cfg = tiny(tmp_path)
-    cs = dataclasses.asdict(cfg.coldstart)
-    cs.pop("cache_dir"), cs.pop("aux_loss_coef")
-    payload = {"format": FORMAT_VERSION, "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
-               "coldstart": cs}
+    cs, model, task = (dataclasses.asdict(getattr(cfg, s)) for s in ("coldstart", "model", "task"))
+    cs.pop("cache_dir"), cs.pop("aux_loss_coef"), model.pop("shared_expert"), task.pop("mixture")
+    payload = {"format": FORMAT_VERSION, "model": model, "task": task, "coldstart": cs}
     before = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert cache_key(cfg) == before
-    assert cache_key(tiny(tmp_path, "coldstart.aux_loss_coef=0.01")) != before
+    for changed in ("coldstart.aux_loss_coef=0.01", "model.shared_expert=false"):
+        assert cache_key(tiny(tmp_path, changed)) != before, changed
+    mix = tiny(tmp_path, "task.name=mixture", "task.mixture=[sort,reverse]")
+    assert cache_key(mix) != cache_key(tiny(tmp_path, "task.name=mixture", "task.mixture=[sort,addition]"))
 
 
 def _imbalance(model_dir, cfg) -> float:

@@ -54,9 +54,10 @@ def test_build_model_is_tiny_fp32_eval_all_moe_and_seeded(family):
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
 
+@pytest.mark.parametrize("shape", [{}, dict(top_k=1), dict(num_experts=64, top_k=1), dict(num_experts=64, top_k=8)])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_select_and_gate_weights_reproduce_the_router_bit_exactly(family):
-    model = build_model(tiny(family), VOCAB)
+def test_select_and_gate_weights_reproduce_the_router_bit_exactly(family, shape):
+    model = build_model(tiny(family, **shape), VOCAB)
     if family == "deepseek_v3":  # a non-zero correction bias exercises "bias affects the choice only"
         for layer in moe_layers(model):
             layer.router.e_score_correction_bias.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
@@ -81,6 +82,36 @@ def test_gate_weights_come_from_dense_logits_and_carry_router_gradient(family):
         assert bool((w_NK > 0).all())
         w_NK.pow(2).sum().backward()
         assert logits_NE.grad.gather(1, worst_NK).abs().sum() > 0
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out  # some blocks also return their router logits
+
+
+def _moe_blocks(model) -> list:
+    """The MLP block of every decoder layer (router, routed experts and any shared expert)."""
+    return [layer.mlp for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_shared_expert_false_leaves_only_the_routed_experts(family):
+    """With every routed expert zeroed, a block's output is its shared expert's alone: exactly 0 without one."""
+    x = torch.randn(2, 5, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for shared in (True, False):
+        model = build_model(tiny(family, shared_expert=shared), VOCAB)
+        with torch.no_grad():
+            for block in _moe_blocks(model):
+                for p in block.experts.parameters():
+                    p.zero_()
+            outs[shared] = [_first(block(x)) for block in _moe_blocks(model)]
+    assert all(float(o.abs().max()) == 0.0 for o in outs[False])
+    has_shared = family in ("qwen2_moe", "deepseek_v3")
+    assert all((float(o.abs().max()) > 0.0) == has_shared for o in outs[True])
+    if not has_shared:  # nothing to remove: the same model either way
+        a = build_model(tiny(family, shared_expert=True), VOCAB).state_dict()
+        b = build_model(tiny(family, shared_expert=False), VOCAB).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_deepseek_bias_shifts_the_choice_not_the_weights():

@@ -6,8 +6,10 @@ the outside (``moe_lab.routing``), nothing here knows about RL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +48,14 @@ def _check_build_args(cfg: ModelConfig, vocab_size: int, special_ids: dict[str, 
     return spec
 
 
+@contextlib.contextmanager
+def _quiet_empty_init():
+    # model.shared_expert=False builds a width-0 shared expert: torch warns that initialising it is a no-op
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        yield
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int = 0, bos_token_id: int = 1,
                 eos_token_id: int = 2) -> PreTrainedModel:
     """A randomly initialised fp32 model of ``cfg.family`` in eval() mode, every layer MoE.
@@ -56,7 +66,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int = 0, bos
     special = dict(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     spec = _check_build_args(cfg, vocab_size, special)
     hf_cfg = spec.tiny_config(cfg, hf_kwargs(cfg, vocab_size, **special))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _quiet_empty_init():
         torch.manual_seed(cfg.seed)
         model = spec.model_cls._from_config(hf_cfg, attn_implementation=spec.attn_impl,
                                             experts_implementation=cfg.experts_impl, dtype=torch.float32)
@@ -87,8 +97,9 @@ def load_model(path: str | Path, *, experts_impl: str = "grouped_mm",
         raise ValueError(f"experts_impl={experts_impl!r} is not supported: allowed {', '.join(EXPERTS_IMPLS)}")
     path = Path(path).expanduser()
     spec = _checkpoint_family(path)
-    model = spec.model_cls.from_pretrained(path, local_files_only=True, dtype=dtype,
-                                           attn_implementation=spec.attn_impl, experts_implementation=experts_impl)
+    with _quiet_empty_init():
+        model = spec.model_cls.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                               attn_implementation=spec.attn_impl, experts_implementation=experts_impl)
     moe_layers(model)  # a checkpoint whose layers hold no recognised router is refused here
     return model.eval()
 
