@@ -19,6 +19,9 @@ CLIP_LOW_UNBOUNDED = ("cispo", "gmpo", "rspo")
 # ratio; SAPO has no clip (GRPO's range for clip_frac/*).
 PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4),
               "sapo": (0.2, 0.27), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4)}
+# Objectives whose clip acts on the token ratio w_t: ratio/route_clip_exit_frac uses the run's clip range for
+# these and GRPO's paper range for the others (sequence-level ratios, log-space clips).
+TOKEN_CLIP_ALGOS = ("grpo", "sapo", "cispo")
 
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
