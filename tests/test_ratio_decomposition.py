@@ -144,3 +144,22 @@ def test_decomp_every_leaves_nan_on_skipped_updates_and_changes_nothing_else(tmp
         for key, value in off.items():
             if not key.startswith(("perf/", "ratio/d_", "ratio/routing_share", "ratio/route_")):
                 assert value == on[key] or (math.isnan(value) and math.isnan(on[key])), key
+
+
+def test_data_parallel_combination_gives_the_whole_batch_decomposition():
+    """dp_split.combine_metrics: means by tokens, variances and the covariance by the law of total
+    (co)variance, routing_share from the combined variances: equal to the decomposition of the whole batch."""
+    from moe_lab.dp_split import combine_metrics
+
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(6, 9, generator=g)
+    ref = old + 0.2 * torch.randn(6, 9, generator=g)
+    free = ref + 0.5 * torch.randn(6, 9, generator=g) + 0.3 * (ref - old)  # correlated: d_cov != 0
+    mask = torch.rand(6, 9, generator=g) > 0.3
+    whole = ratio_decomposition(free, ref, old, mask, 0.2, 0.27)
+    parts = [(ratio_decomposition(free[p], ref[p], old[p], mask[p], 0.2, 0.27), 1.0, float(mask[p].sum()))
+             for p in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    out = combine_metrics(parts)
+    assert abs(whole["ratio/d_cov"]) > 1e-3
+    for key in DECOMP_KEYS:
+        assert out[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
