@@ -163,3 +163,21 @@ def test_data_parallel_combination_gives_the_whole_batch_decomposition():
     assert abs(whole["ratio/d_cov"]) > 1e-3
     for key in DECOMP_KEYS:
         assert out[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("replay_mode", ["none", "old"])
+def test_activation_checkpointing_leaves_the_row_unchanged(tmp_path, replay_mode):
+    """The counterfactual forward is no-grad: under activation checkpointing nothing is recomputed for it,
+    and the update's own recompute still follows the update's routing; every column (noise on) is the same."""
+    rows = {}
+    for checkpointing in (False, True):
+        cfg, policy, data = _setup(tmp_path, f"rl.replay={replay_mode}", "rl.minibatches=1", "rl.router_noise=0.1")
+        _perturb(policy, 0.3)
+        policy.train()
+        policy.activation_checkpointing_enable() if checkpointing else policy.activation_checkpointing_disable()
+        idx_B = minibatch_indices(data.batch.input_ids_BS.shape[0], 1, cfg.seed, 0)[0]
+        rows[checkpointing] = update(policy, None, build_optimizer(policy, cfg.rl), data, idx_B, cfg, 0, 0)
+    assert rows[False]["ratio/d_route_var"] > 0
+    for key, value in rows[False].items():
+        if not key.startswith("perf/"):
+            assert rows[True][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
