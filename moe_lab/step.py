@@ -273,7 +273,7 @@ def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | 
     reference), same weights (before optimizer.step()), same autocast. Its router noise has its own
     generator and fork_rng keeps any global-RNG draw (dropout, jitter) out of the training streams."""
     every = cfg.rl.decomp_every
-    if ref is None or every == 0 or update_idx % every:
+    if ref is None or every == 0 or (update_idx + 1) % every:  # every N-th update: the N-th, 2N-th, ...
         return nan_decomposition()
     b = data.batch
     ids, attn = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B]

@@ -65,7 +65,7 @@ def test_routing_share_is_zero_without_any_movement_and_one_for_routing_alone():
 
 
 def _setup(tmp_path, *overrides):
-    cfg = tiny(tmp_path, "rl.router_noise=0.0", *overrides)
+    cfg = tiny(tmp_path, "rl.router_noise=0.0", "rl.decomp_every=1", *overrides)
     task = get_task(cfg.task)
     torch.manual_seed(0)
     policy = build_model(cfg.model, len(task.tokenizer))
@@ -139,6 +139,10 @@ def test_decomp_every_leaves_nan_on_skipped_updates_and_changes_nothing_else(tmp
         rows[every] = [update(policy, None, opt, data, idx, cfg, 0, u)
                        for u, idx in enumerate(minibatch_indices(n, 2, cfg.seed, 0))]
     assert all(math.isnan(r["ratio/d_route_var"]) for r in rows[0])
+    # every 3rd update: u = 2, 5, ... (u + 1 divisible by 3); updates 0 and 1 of this step have none
+    assert all(math.isnan(r["ratio/d_route_var"]) for r in rows[3])
+    rows[3] = [update(policy, None, opt, data, idx, cfg, 0, u)
+               for u, idx in zip((2, 4), minibatch_indices(data.batch.input_ids_BS.shape[0], 2, cfg.seed, 0))]
     assert not math.isnan(rows[3][0]["ratio/d_route_var"]) and math.isnan(rows[3][1]["ratio/d_route_var"])
     for on, off in zip(rows[1], rows[0]):  # the extra forward changes no other column
         for key, value in off.items():
