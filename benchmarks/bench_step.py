@@ -2,7 +2,8 @@
 
 Bare work, same model and batch: generate with the KV cache + one no-grad forward + the minibatch
 updates (forward, GRPO loss, backward, AdamW), no hooks. Full step: moe_lab's rl_step with routing
-recorded and replay on, every metric computed. Target: full <= 1.05 x bare.
+recorded and replay on, every metric computed. Target: full <= 1.05 x bare. The "no ratio decomposition"
+variants (rl.decomp_every=0) measure the cost of the decomposition's extra no-grad forward per update.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_step.py [--repeats 7] [--threads 1]
 """
@@ -73,8 +74,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     variants = {"bare work": None,
                 "grpo, replay=old (R2)": ["rl.replay=old"],
+                "grpo, R2, no ratio decomposition": ["rl.replay=old", "rl.decomp_every=0"],
                 "grpo, replay=rollout (R3)": ["rl.replay=rollout"],
                 "grpo, no replay (routing recorded)": [],
+                "grpo, no replay, no ratio decomposition": ["rl.decomp_every=0"],
                 "gspo, logp_old from rollout (5.4)": ["rl.algo=gspo", "rl.old_logp=rollout"]}
     print(f"threads={args.threads} repeats={args.repeats} (median seconds per RL step; 16 prompts x 8 responses; "
           "variants interleaved so that machine noise hits them alike)")
@@ -100,7 +103,7 @@ def main() -> None:
     base = _median(runs["bare work"][1:])["total_s"]
     for name in variants:
         m = _median(runs[name][1:])
-        print(f"{name:38s} total {m['total_s']:.3f}s  rollout {m['rollout_s']:.3f}  old {m['old_s']:.3f}  "
+        print(f"{name:42s} total {m['total_s']:.3f}s  rollout {m['rollout_s']:.3f}  old {m['old_s']:.3f}  "
               f"update {m['update_s']:.3f}  tokens/s {m['tokens'] / m['total_s']:.0f}  x bare {m['total_s'] / base:.3f}")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 

@@ -162,6 +162,10 @@ class RLConfig:
     train_dtype: str = param("float32", "autocast dtype of the old-policy and update forwards; master weights, "
                                         "optimizer and log-probs stay fp32 (with rollout_dtype: every pairing)",
                              choices=C.DTYPES)
+    decomp_every: int = param(2, "ratio decomposition (ratio/d_route_* etc.: one extra no-grad forward of the "
+                                 "minibatch, ~ one old-policy pass) on every N-th update (global update index u with "
+                                 "(u + 1) % N == 0; NaN columns on the others); 1 = every update, 0 = off. Default 2: "
+                                 "at 1 it measured +15-20% of a step on CPU", ge=0)
     eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
     checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
     collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "

@@ -24,6 +24,10 @@ CLIP_LOW_UNBOUNDED = ("cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl")
 PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4),
               "sapo": (0.2, 0.27), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4),
               "dppo_tv": (0.15, 0.15), "dppo_kl": (0.05, 0.05), "luspo": (3e-4, 4e-4), "vespo": (0.2, 0.27)}
+# Objectives whose clip acts on the token ratio w_t: ratio/route_clip_exit_frac uses the run's clip range for
+# these and GRPO's paper range for the others (sequence-level ratios, log-space clips, DPPO's divergence
+# thresholds, VESPO's kernel).
+TOKEN_CLIP_ALGOS = ("grpo", "sapo", "cispo")
 
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")

@@ -27,7 +27,10 @@ from moe_lab.config import ConfigError, RunConfig
 SEQ_WEIGHTED = {"loss", "clip_frac/seq", "ratio/seq_mean", "reward/mean", "reward/zero_var_groups",
                 "kl/ref_reward_penalty", "response/length_mean", "routing/aux_loss", "objective/seq_ratio_mean"}
 # variance -> (its mean, weight kind): combined exactly by the law of total variance
-VARIANCES = {"ratio/token_var": ("ratio/token_mean", "tok"), "ratio/seq_var": ("ratio/seq_mean", "seq")}
+VARIANCES = {"ratio/token_var": ("ratio/token_mean", "tok"), "ratio/seq_var": ("ratio/seq_mean", "seq"),
+             "ratio/d_route_var": ("ratio/d_route_mean", "tok"), "ratio/d_weight_var": ("ratio/d_weight_mean", "tok")}
+# covariance -> (its two means): the law of total covariance, token-weighted
+COVARIANCES = {"ratio/d_cov": ("ratio/d_route_mean", "ratio/d_weight_mean")}
 STDS = {"reward/std": ("reward/mean", "seq")}
 SAME_ON_ALL_RANKS = {"optim/grad_norm", "optim/lr", "step", "epoch", "minibatch", "update"}
 
@@ -188,6 +191,13 @@ def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
                 second = [(p[0][k] ** 2 if is_std else p[0][k]) + p[0][mean_key] ** 2 for p in parts]
                 var = max(_weighted_mean(second, w) - out[mean_key] ** 2, 0.0)
                 out[k] = math.sqrt(var) if is_std else var
+    for k, (a, b) in COVARIANCES.items():
+        if k in out and a in out and b in out:
+            second = [p[0][k] + p[0][a] * p[0][b] for p in parts]
+            out[k] = _weighted_mean(second, [p[2] for p in parts]) - out[a] * out[b]
+    if "ratio/routing_share" in out:  # a ratio of the combined variances, 0 when both are 0 (as per rank)
+        vr, vw = out["ratio/d_route_var"], out["ratio/d_weight_var"]
+        out["ratio/routing_share"] = vr / (vr + vw) if vr + vw > 0 else (0.0 if vr + vw == 0 else math.nan)
     return out
 
 

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-__all__ = ["masked_mean", "masked_var", "k3_from_log_ratio", "policy_metrics", "METRIC_KEYS"]
+__all__ = ["masked_mean", "masked_var", "k3_from_log_ratio", "policy_metrics", "METRIC_KEYS", "DECOMP_KEYS",
+           "ratio_decomposition", "nan_decomposition"]
 
 METRIC_KEYS = (
     "clip_frac/out_of_range",
@@ -114,3 +115,46 @@ def policy_metrics(
         "kl/k3": masked_mean(k3_from_log_ratio(d_BT), mask_BT),
     }
     return {key: _as_metric(metrics[key]) for key in METRIC_KEYS}
+
+
+# ----------------------------------------------------------------------------- routing / weight decomposition
+
+DECOMP_KEYS = ("ratio/d_route_mean", "ratio/d_weight_mean", "ratio/d_route_var", "ratio/d_weight_var", "ratio/d_cov",
+               "ratio/routing_share", "ratio/route_extreme_frac", "ratio/route_clip_exit_frac")
+
+
+@torch.no_grad()
+def ratio_decomposition(logp_free_BT: torch.Tensor, logp_ref_BT: torch.Tensor, logp_old_BT: torch.Tensor,
+                        mask_BT: torch.Tensor, clip_low: float, clip_high: float) -> dict[str, float]:
+    """Split the token log-ratio of the current weights into a routing and a weight part (docs/metrics.md).
+
+    logp_free_BT = log pi_theta(y | R_theta) (the router's own choice), logp_ref_BT = log pi_theta(y | R_ref)
+    (the routing that produced logp_old), logp_old_BT = log pi_old(y | R_ref). d_route = free - ref and
+    d_weight = ref - old, so d_route + d_weight is the no-replay log-ratio and d_weight R2's. Token-weighted
+    population moments over the mask; routing_share = Var(d_route) / (Var(d_route) + Var(d_weight)) is 0 when
+    both variances are 0 (no movement at all: nothing to attribute). All keys of DECOMP_KEYS, as floats.
+    """
+    mask = mask_BT.bool()
+    zero = torch.zeros_like(logp_ref_BT, dtype=torch.float32)
+    d_route = torch.where(mask, logp_free_BT.float() - logp_ref_BT.float(), zero)
+    d_weight = torch.where(mask, logp_ref_BT.float() - logp_old_BT.float(), zero)
+    m_route, m_weight = masked_mean(d_route, mask), masked_mean(d_weight, mask)
+    var_route, var_weight = masked_var(d_route, mask), masked_var(d_weight, mask)
+    cov = masked_mean((d_route - m_route) * (d_weight - m_weight), mask)
+    total = var_route + var_weight
+    share = torch.where(total > 0, var_route / torch.where(total > 0, total, 1.0), torch.zeros_like(total))
+
+    def inside(d):  # the clip interval, in log space; the bound keeps exp finite
+        w = torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        return (w >= 1.0 - clip_low) & (w <= 1.0 + clip_high)
+
+    exit_BT = inside(d_weight) & ~inside(d_weight + d_route) & mask
+    values = torch.stack([m_route, m_weight, var_route, var_weight, cov, share,
+                          masked_mean((d_route.abs() > EXTREME_LOG_RATIO).float(), mask),
+                          masked_mean(exit_BT.float(), mask)]).tolist()  # one sync
+    return dict(zip(DECOMP_KEYS, values))
+
+
+def nan_decomposition() -> dict[str, float]:
+    """The decomposition's columns on an update where it does not run (rl.decomp_every)."""
+    return dict.fromkeys(DECOMP_KEYS, math.nan)

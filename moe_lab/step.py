@@ -14,16 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lab import constants as C
 from moe_lab.advantages import group_advantages
 from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.optim import set_lr
+from moe_lab.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.rollout_correction import rollout_correction
 from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
-from moe_lab.routing import (RouterLogp, Trace, load_metrics, record, replay, router_gamma, router_logp_probe,
-                             router_shift, routing_metrics)
+from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, record, replay, router_gamma,
+                             router_logp_probe, router_shift, routing_confidence, routing_metrics, specialization)
 
 LN2 = math.log(2.0)
+DECOMP_SALT = 2_000_003  # noise generator of the decomposition's counterfactual forward: no training stream
 
 
 @dataclass
@@ -129,7 +132,9 @@ def _old_logp(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     if cfg.rl.old_logp == "rollout":
         return batch.logp_rollout_BT, batch.trace, {}
     logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
-    return logp_old_BT, old_trace, _mismatch_metrics(batch, logp_old_BT, free_trace)
+    metrics = _mismatch_metrics(batch, logp_old_BT, free_trace)
+    metrics.update(routing_confidence(free_trace, batch.response_mask_BT))
+    return logp_old_BT, old_trace, metrics
 
 
 def _correction(batch: RolloutBatch, logp_old_BT: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor | None, dict]:
@@ -176,6 +181,8 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, cfg)
     adv_B = _advantages(rewards_B, cfg)
     metrics.update({**mismatch, **corr, **kl, "perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
+    if old_trace is not None:  # token id at trace column t is input_ids[:, t] (forward_logits drops the last)
+        metrics.update(specialization(old_trace, batch.input_ids_BS[:, :old_trace.seq_len], batch.response_mask_BT))
     forced = {"none": None, "old": old_trace, "rollout": batch.trace}[cfg.rl.replay]
     return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
                     is_weights_BT)
@@ -224,14 +231,16 @@ def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tens
         out.update(routing_metrics(ref, used, mask))
         out["routing/expert_change_latent"] = (out["routing/expert_change"] if latent is used else
                                                routing_metrics(ref, latent, mask, prefix="")["expert_change"])
+        out.update(first_divergence(ref, latent, mask))
     if shift is not None:
         out.update(shift.metrics())
     return out
 
 
 def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: RunConfig,
-                shift: RouterShift | None = None) -> tuple[torch.Tensor, dict]:
-    """Forward one minibatch (routing regime already in force) and return the total loss and its metrics."""
+                shift: RouterShift | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """Forward one minibatch (routing regime already in force): the total loss, its metrics and the
+    forward's token log-probs (detached)."""
     rl, b = cfg.rl, data.batch
     ids, attn, mask = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B], b.response_mask_BT[idx_B]
     out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
@@ -258,7 +267,7 @@ def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: Run
         loss = loss + rl.aux_loss_coef * out.aux_loss
         metrics["routing/aux_loss"] = float(out.aux_loss.detach())
     metrics["policy/entropy"] = float(masked_mean(token_entropy(out.logits, rl.temperature), mask))
-    return loss, metrics
+    return loss, metrics, logp_BT.detach()
 
 
 def _backward(policy, loss: torch.Tensor, grad_clip: float) -> float:
@@ -267,6 +276,32 @@ def _backward(policy, loss: torch.Tensor, grad_clip: float) -> float:
     loss.backward()
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+
+
+def _decomp_clip(rl) -> tuple[float, float]:
+    """Clip range of ratio/route_clip_exit_frac: the run's for token-ratio clips, else GRPO's paper range."""
+    return resolved_clip(rl) if rl.algo in C.TOKEN_CLIP_ALGOS else C.PAPER_CLIP["grpo"]
+
+
+def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | None, ref: Trace | None,
+                   logp_BT: torch.Tensor, cfg: RunConfig, step: int, update_idx: int) -> dict[str, float]:
+    """ratio/d_route_*, d_weight_*: the update forward's log-probs plus one no-grad forward under the routing
+    it did not use (the reference when it routed freely, the router's own choice when it replayed the
+    reference), same weights (before optimizer.step()), same autocast. Its router noise has its own
+    generator and fork_rng keeps any global-RNG draw (dropout, jitter) out of the training streams."""
+    every = cfg.rl.decomp_every
+    if ref is None or every == 0 or (update_idx + 1) % every:  # every N-th update: the N-th, 2N-th, ...
+        return nan_decomposition()
+    b = data.batch
+    ids, attn = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B]
+    gen = _noise_gen(cfg.seed, step, DECOMP_SALT + update_idx)
+    cuda = [logp_BT.device] if logp_BT.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
+            _routing_ctx(policy, ref if forced is None else None, cfg, gen), train_precision(policy, cfg):
+        other_BT = token_logprobs(forward_logits(policy, ids, attn).logits, ids, cfg.rl.temperature)
+    free_BT, ref_BT = (logp_BT, other_BT) if forced is None else (other_BT, logp_BT)
+    return ratio_decomposition(free_BT, ref_BT, data.logp_old_BT[idx_B], b.response_mask_BT[idx_B],
+                               *_decomp_clip(cfg.rl))
 
 
 def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cfg: RunConfig, step: int,
@@ -287,8 +322,9 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
-            loss, metrics = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
+            loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
+    metrics.update(_decomposition(policy, data, idx_B, forced, ref, logp_BT, cfg, step, update_idx))
     if math.isfinite(grad_norm):
         optimizer.step()
     used, latent = (handle, handle) if forced is None else (forced, handle.latent)  # as in _old_pass

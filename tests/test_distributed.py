@@ -39,7 +39,9 @@ VARS = ["ratio/token_var", "ratio/seq_var"]
 # compared where the run logs them: RSPO's gamma, rollout correction, router shift
 OPTIONAL = ["routing/router_shift", "routing/layer_0/router_shift", "routing/layer_1/router_shift",
             "objective/rspo_gamma_mean", "objective/rspo_floor_frac", "rollout_corr/weight_mean",
-            "rollout_corr/weight_max", "rollout_corr/truncated_frac", "rollout_corr/masked_frac", "rollout_corr/ess"]
+            "rollout_corr/weight_max", "rollout_corr/truncated_frac", "rollout_corr/masked_frac", "rollout_corr/ess",
+            "ratio/d_route_mean", "ratio/d_weight_mean", "ratio/d_route_var", "ratio/d_weight_var", "ratio/d_cov",
+            "routing/first_div_none", "routing/first_div_l0", "routing/first_div_l1"]
 # the new columns' paths: stale epochs, a lagged bf16 rollout corrected by TIS, R3 (old trace = a copy of the
 # rollout trace carrying the old router log-probs), RSPO's router-shift weight
 CASES = {"default": (), "epochs_tis_rspo": ("rl.epochs=2", "rl.rollout_correction=tis_token",

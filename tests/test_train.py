@@ -18,6 +18,7 @@ import pytest
 from moe_lab import health
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
 from moe_lab.experiment import expand
+from moe_lab.ratio_metrics import DECOMP_KEYS
 from moe_lab.runner import run_experiment
 from moe_lab.train import TrainState, train
 
@@ -47,7 +48,7 @@ def _table(run_dir: Path) -> pd.DataFrame:
 
 
 def _documented(column: str, table: str) -> bool:
-    generic = re.sub(r"layer_\d+", "layer_{i}", column)
+    generic = re.sub(r"_l\d+$", "_l{l}", re.sub(r"layer_\d+", "layer_{i}", column))
     return f"`{generic}`" in table or f"`{column}`" in table
 
 
@@ -66,7 +67,12 @@ def test_smoke_every_arm_has_the_schema_and_finite_values(tmp_path):
         assert len(df) == 3 * rl.minibatches * rl.epochs  # steps x updates per rollout batch
         undocumented = [c for c in df.columns if not _documented(c, table)]
         assert not undocumented, f"columns missing from docs/metrics.md: {undocumented}"
-        numeric = df.select_dtypes("number")
+        # the ratio decomposition runs on every rl.decomp_every-th update (u + 1 divisible by it), NaN elsewhere
+        every = cell.config.rl.decomp_every
+        runs = (df["update"] + 1) % every == 0 if every else pd.Series(False, index=df.index)
+        for col in DECOMP_KEYS:
+            assert df.loc[runs, col].map(math.isfinite).all() and df.loc[~runs, col].isna().all(), (cell.run_id, col)
+        numeric = df.drop(columns=list(DECOMP_KEYS)).select_dtypes("number")
         assert numeric.notna().all().all() and numeric.map(math.isfinite).all().all(), cell.run_id
         ev = pd.read_parquet(tmp_path / "smoke" / "runs" / cell.run_id / "eval.parquet")
         assert list(ev["step"]) == [0, 2, 3]

@@ -173,3 +173,78 @@ def router_shift(old: Any, new_logp_LBSK: Tensor, mask: Tensor | None = None,
 def router_gamma(shift_BS: Tensor) -> Tensor:
     """RSPO's per-token router-shift weight gamma = exp(-shift) in (0, 1] (the floor is the objective's)."""
     return torch.exp(-shift_BS)
+
+
+def routing_confidence(trace: Any, mask: Tensor | None = None, prefix: str = "routing/") -> dict[str, float]:
+    """Probability mass the router puts on the experts it chose: sum over the top-k of exp(router_logp), the
+    router's probability over ALL experts (log-softmax, or DeepSeek's sigmoid scores normalised over E).
+    ``confidence`` = mean over masked positions and layers, ``confidence_l{l}`` per layer (nan on an empty mask).
+    {} when the trace carries no router log-probs (e.g. the rollout's trace)."""
+    logp_LBSK = trace if isinstance(trace, Tensor) else getattr(trace, "router_logp_LBTK", None)
+    if logp_LBSK is None:
+        return {}
+    mask_BS = _mask_BS(mask, logp_LBSK)
+    with torch.no_grad():
+        conf_LBS = logp_LBSK.float().exp().sum(-1)
+        per_layer_L = torch.where(mask_BS, conf_LBS, torch.zeros_like(conf_LBS)).sum((1, 2)) / mask_BS.sum()
+    values = torch.cat([per_layer_L.mean().reshape(1), per_layer_L]).tolist()
+    out = {f"{prefix}confidence": values[0]}
+    out.update({f"{prefix}confidence_l{l}": v for l, v in enumerate(values[1:])})
+    return out
+
+
+def first_divergence(ref: Any, new: Any, mask: Tensor | None = None, prefix: str = "routing/") -> dict[str, float]:
+    """Share of masked positions whose first MoE layer with a changed expert SET (ref vs new) is l
+    (``first_div_l{l}``), and of those where no layer changed (``first_div_none``); they sum to 1."""
+    ids_ref, ids_new = _check_pair(ref, new)
+    mask_BS = _mask_BS(mask, ids_ref)
+    E = _num_experts(ref, new)
+    changed_LBS = torch.stack([(_bitmask_BSE(ids_ref[l], E, "ref") != _bitmask_BSE(ids_new[l], E, "new")).any(-1)
+                               for l in range(ids_ref.shape[0])])
+    any_BS = changed_LBS.any(0)
+    first_BS = changed_LBS.to(torch.uint8).argmax(0)  # index of the first True (0 when none: masked by any_BS)
+    L, n = ids_ref.shape[0], mask_BS.sum()
+    counts = [((first_BS == l) & any_BS & mask_BS).sum() for l in range(L)] + [(~any_BS & mask_BS).sum()]
+    values = (torch.stack(counts).double() / n).tolist()
+    out = {f"{prefix}first_div_l{l}": v for l, v in enumerate(values[:L])}
+    out[f"{prefix}first_div_none"] = values[L]
+    return out
+
+
+def _entropy(p: Tensor) -> Tensor:
+    return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum()
+
+
+def specialization(trace: Any, labels_BT: Tensor, mask: Tensor | None = None, prefix: str = "routing/",
+                   name: str = "specialization") -> dict[str, float]:
+    """Normalised mutual information between a position's label (token id, or a per-sequence task tag:
+    labels of shape (B,) are broadcast over the columns) and its chosen experts, per layer, over masked
+    positions. Each of the k chosen experts counts with weight 1/k; NMI = 2 I(X; E) / (H(X) + H(E))
+    (arithmetic-mean normalisation), 0 when H(X) + H(E) = 0 (one label and one expert: nothing to share).
+    ``{name}_l{l}`` per layer and ``{name}`` their mean; nan on an empty mask."""
+    ids = _ids(trace, "trace")
+    mask_BS = _mask_BS(mask, ids)
+    L, B, S, K = ids.shape
+    labels_BS = labels_BT.to(ids.device)
+    labels_BS = labels_BS[:, None].expand(B, S) if labels_BS.dim() == 1 else labels_BS
+    if tuple(labels_BS.shape) != (B, S):
+        raise ValueError(f"labels_BT: expected shape (B, S)=({B}, {S}) or (B,)=({B},), got {tuple(labels_BT.shape)}")
+    E, n = _num_experts(trace), int(mask_BS.sum())
+    if n == 0:
+        return {f"{prefix}{name}": math.nan, **{f"{prefix}{name}_l{l}": math.nan for l in range(L)}}
+    _, x_N = torch.unique(labels_BS[mask_BS], return_inverse=True)
+    X = int(x_N.max()) + 1
+    nmi_L = []
+    for l in range(L):
+        e_NK = ids[l][mask_BS].long()
+        joint_XE = torch.zeros(X * E, dtype=torch.float64, device=ids.device)
+        joint_XE.index_add_(0, (x_N[:, None] * E + e_NK).reshape(-1),
+                            torch.full((e_NK.numel(),), 1.0 / (K * n), dtype=torch.float64, device=ids.device))
+        p_XE = joint_XE.view(X, E)
+        h_x, h_e = _entropy(p_XE.sum(1)), _entropy(p_XE.sum(0))
+        mi = h_x + h_e - _entropy(p_XE)
+        nmi_L.append(torch.where(h_x + h_e > 0, 2 * mi / (h_x + h_e).clamp_min(1e-300), torch.zeros_like(mi)))
+    values = torch.stack(nmi_L).tolist()
+    out = {f"{prefix}{name}": sum(values) / L}
+    out.update({f"{prefix}{name}_l{l}": v for l, v in enumerate(values)})
+    return out
