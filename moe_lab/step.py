@@ -169,6 +169,20 @@ def _advantages(rewards_B: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
                             adv_clip=rl.adv_clip, whiten=rl.whiten)
 
 
+def _task_metrics(task, group_prompts: list[str], rewards_B: torch.Tensor, old_trace: Trace | None,
+                  mask_BT: torch.Tensor) -> dict[str, float]:
+    """A task mixture's per-sub-task mean reward (before any KL penalty) and how far its experts specialise
+    by task (NMI of the sequence's task tag and the chosen experts); nothing for a single task."""
+    if not hasattr(task, "task_ids"):
+        return {}
+    ids_B = torch.tensor(task.task_ids(group_prompts), device=rewards_B.device)
+    out = {f"reward/mean_{sub.name}": float(rewards_B[ids_B == i].mean()) if bool((ids_B == i).any()) else math.nan
+           for i, sub in enumerate(task.subtasks)}
+    if old_trace is not None:
+        out.update(specialization(old_trace, ids_B, mask_BT, name="task_specialization"))
+    return out
+
+
 def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
     """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages."""
     t0 = time.perf_counter()
@@ -183,6 +197,7 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     metrics.update({**mismatch, **corr, **kl, "perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
     if old_trace is not None:  # token id at trace column t is input_ids[:, t] (forward_logits drops the last)
         metrics.update(specialization(old_trace, batch.input_ids_BS[:, :old_trace.seq_len], batch.response_mask_BT))
+    metrics.update(_task_metrics(task, group_prompts, rewards_B, old_trace, batch.response_mask_BT))
     forced = {"none": None, "old": old_trace, "rollout": batch.trace}[cfg.rl.replay]
     return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
                     is_weights_BT)

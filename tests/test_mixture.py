@@ -169,3 +169,22 @@ def test_cold_start_learns_the_mixture(tmp_path):
     path = cold_start(cfg, cache=False, progress=False)  # sampled-accuracy checks generate on the mixture
     info = json.loads((path / META_FILE).read_text())
     assert info["steps"] == 3 and info["task"] == "mixture" and len(info["history"]) >= 2
+
+
+def test_task_metrics_split_the_reward_by_sub_task_and_measure_task_specialization():
+    from moe_lab.routing import Trace
+    from moe_lab.step import _task_metrics
+
+    task = mixture()
+    prompts = [p for i in range(3) for p in task._tagged(i, ["1234"] * 2)]  # two prompts of each sub-task
+    rewards_B = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.25, 0.75])
+    mask_BT = torch.ones(6, 3, dtype=torch.bool)
+    # one layer: sub-task i always routes to expert i, so routing tells the task exactly (NMI 1)
+    ids_LBTK = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.uint8).view(1, 6, 1, 1).expand(1, 6, 3, 1).contiguous()
+    trace = Trace(indices=ids_LBTK, num_experts=4, family="qwen3_moe")
+    out = _task_metrics(task, prompts, rewards_B, trace, mask_BT)
+    assert out["reward/mean_sort"] == 0.5 and out["reward/mean_reverse"] == 0.5 and out["reward/mean_addition"] == 0.5
+    assert out["routing/task_specialization_l0"] == pytest.approx(1.0)
+    blind = Trace(indices=torch.zeros_like(ids_LBTK), num_experts=4, family="qwen3_moe")  # one expert for everything: NMI 0
+    assert _task_metrics(task, prompts, rewards_B, blind, mask_BT)["routing/task_specialization"] == 0.0
+    assert _task_metrics(single("sort"), prompts[:2], rewards_B[:2], trace, mask_BT) == {}

@@ -49,6 +49,7 @@ def _table(run_dir: Path) -> pd.DataFrame:
 
 def _documented(column: str, table: str) -> bool:
     generic = re.sub(r"_l\d+$", "_l{l}", re.sub(r"layer_\d+", "layer_{i}", column))
+    generic = re.sub(r"^reward/mean_\w+$", "reward/mean_{task}", generic)  # a mixture's sub-task rewards
     return f"`{generic}`" in table or f"`{column}`" in table
 
 
