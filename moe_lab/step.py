@@ -68,7 +68,7 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle, \
             train_precision(policy, cfg):
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-    used, free = (handle, handle) if forced is None else (forced.with_router_logp(handle.router_logp_LBTK),
+    used, free = (handle, handle) if forced is None else (handle.used.with_router_logp(handle.router_logp_LBTK),
                                                           handle.latent)
     return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
 
@@ -170,7 +170,8 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
 def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator, router_logp: bool = False):
     if forced is None:
         return record(policy, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
-    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
+    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp,
+                  gate=cfg.rl.replay_gate, weights=cfg.rl.replay_gate_weights)
 
 
 class RouterShift:
@@ -274,8 +275,10 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
         grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
     if math.isfinite(grad_norm):
         optimizer.step()
-    used, latent = (handle, handle) if forced is None else (forced, handle.latent)  # as in _old_pass
+    used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
     metrics.update(_routing_row(ref, used, latent, mask, shift))
+    if forced is not None and cfg.rl.replay_gate > 0:
+        metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
                     "perf/update_s": time.perf_counter() - t0})
     return metrics
