@@ -83,7 +83,9 @@ class RLConfig:
     algo: str = param("grpo", "policy objective (formulas: moe_lab/objectives.py)",
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
-                                "rollout (R3: routing recorded during generation)", choices=C.REPLAY_MODES)
+                                "rollout (R3: routing recorded during generation), predictive (R3 of a rollout routed "
+                                "by a learned prediction of the next step's router, a simplified PR2: "
+                                "moe_lab/routing/predictor.py)", choices=C.REPLAY_MODES)
     replay_gate: float = param(0.0, "gated replay (prime-rl PR #2703): a replayed expert whose current router score "
                                     "(softmax prob; DeepSeek: sigmoid score) is below gate x the router's own weakest "
                                     "top-k score is replaced by the router's best expert not kept; 0 = plain replay, "
@@ -269,6 +271,9 @@ def _check_replay_options(rl: RLConfig) -> None:
     if rl.replay_gate > 0 and rl.replay_gate_weights:
         raise ConfigError(f"rl.replay_gate={rl.replay_gate} with rl.replay_gate_weights=true: a replaced expert has no "
                           "recorded weight; use one or the other")
+    if rl.replay == "predictive" and (rl.rollout_dtype != "float32" or rl.rollout_lag):
+        raise ConfigError("rl.replay=predictive samples with the trained policy's predictor heads; it needs "
+                          "rl.rollout_dtype=float32 and rl.rollout_lag=0 (a separate rollout copy holds no heads)")
     if rl.freeze_router and rl.router_lr_mult != 1.0:
         raise ConfigError(f"rl.router_lr_mult={rl.router_lr_mult} with rl.freeze_router=true: a frozen router has no "
                           "learning rate; leave router_lr_mult at 1.0")

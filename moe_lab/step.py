@@ -21,6 +21,7 @@ from moe_lab.rollout_correction import rollout_correction
 from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, load_metrics, record, replay, router_gamma, router_logp_probe,
                              router_shift, routing_metrics)
+from moe_lab.routing import predictor
 
 LN2 = math.log(2.0)
 
@@ -64,7 +65,7 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
     The routing used carries the old router's log-probs of its experts: the reference of routing/router_shift.
     """
-    forced = batch.trace if cfg.rl.replay == "rollout" else None
+    forced = batch.trace if cfg.rl.replay in ("rollout", "predictive") else None
     with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle, \
             train_precision(policy, cfg):
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
@@ -99,7 +100,8 @@ def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str]) -> tuple[
     """Stage 1: group_size samples of every prompt, routing recorded (R3's trace)."""
     group_prompts = [p for p in prompts for _ in range(cfg.rl.group_size)]
     batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
-                     temperature=cfg.rl.temperature, record_routing=True)
+                     temperature=cfg.rl.temperature, record_routing=True,
+                     predictive=cfg.rl.replay == "predictive")
     return group_prompts, batch
 
 
@@ -162,7 +164,7 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, cfg)
     adv_B = _advantages(rewards_B, cfg)
     metrics.update({**mismatch, **corr, **kl, "perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
-    forced = {"none": None, "old": old_trace, "rollout": batch.trace}[cfg.rl.replay]
+    forced = {"none": None, "old": old_trace, "rollout": batch.trace, "predictive": batch.trace}[cfg.rl.replay]
     return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
                     is_weights_BT)
 
@@ -306,11 +308,21 @@ def _schedule(n: int, cfg: RunConfig, step: int, first_update: int):
             yield epoch, m, first_update + epoch * mb + m, idx_B
 
 
+@torch.no_grad()
+def _pr2_observe(policy, data: StepData, cfg: RunConfig) -> predictor.Observation:
+    """Router inputs and logits before the updates, under the replayed (predicted) rollout routing."""
+    b = data.batch
+    with replay(policy, data.forced_trace, gate=cfg.rl.replay_gate), predictor.observe(policy, b.response_mask_BT) as observed:
+        forward_logits(policy, b.input_ids_BS, b.attention_mask_BS)
+    return observed
+
+
 def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
             first_update: int) -> list[dict]:
     """Collect one rollout batch and run epochs x minibatches updates; one row per update."""
     t0 = time.perf_counter()
     data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+    observed = _pr2_observe(policy, data, cfg) if cfg.rl.replay == "predictive" else None
     rows = []
     n = data.batch.input_ids_BS.shape[0]
     for epoch, m, u, idx_B in _schedule(n, cfg, step, first_update):
@@ -318,8 +330,9 @@ def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, 
         rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **data.batch_metrics, **metrics})
         if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
             break
+    pr2 = {} if observed is None else predictor.fit(policy, observed)  # learn this step's router drift
     wall = time.perf_counter() - t0
     tokens = float(data.batch.response_len_B.sum())
     for r in rows:
-        r.update({"perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
+        r.update({**pr2, "perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
     return rows

@@ -13,7 +13,7 @@ import torch
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
 from moe_lab.families import FAMILIES
 from moe_lab.models import moe_layers
-from moe_lab.routing import expert_change, record, replay, router_logp_probe
+from moe_lab.routing import expert_change, predictor, record, replay, router_logp_probe
 from moe_lab.step import rl_step, updates_per_step
 from moe_lab.train import _setup, step_prompts
 from test_routing import perturb_routers, recorded, tiny_model, tokens
@@ -146,3 +146,63 @@ def test_bad_combinations_are_one_line_errors(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         _cfg(tmp_path, *overrides)
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- predictive replay (simplified PR²)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_zero_predictor_records_free_routing_bit_for_bit(family):
+    model, x = tiny_model(family), tokens()
+    trace, logits = recorded(model, x)
+    predictor.install(model)
+    with torch.no_grad(), predictor.record_predicted(model, router_logp=True) as pred:
+        pred_logits = model(x).logits
+    assert torch.equal(pred_logits, logits) and torch.equal(pred.indices, trace.indices)
+    assert torch.equal(pred.weights, trace.weights)
+
+
+@pytest.mark.parametrize("family", SOFTMAX)
+def test_fitted_predictor_predicts_the_drift_and_routes_closer_to_the_updated_router(family):
+    """One router step of drift, observed on some inputs: the refitted head reproduces that drift on them (a
+    linear router's drift is linear in its input), and on fresh inputs a rollout routed by the prediction is
+    closer to the drifted router's choice than the unpredicted routing."""
+    model, x = tiny_model(family), tokens(B=8, S=12)
+    predictor.install(model)
+    with torch.no_grad(), predictor.observe(model, torch.ones(8, 12, dtype=torch.bool)) as obs:
+        model(x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    perturb_routers(model, scale=1.0)
+    fresh = tokens(B=8, S=12, seed=7)
+    drifted, _ = recorded(model, fresh)
+    metrics = predictor.fit(model, obs)
+    assert metrics["pr2/drift_rms"] > 0 and metrics["pr2/pred_err_rms"] == pytest.approx(metrics["pr2/drift_rms"])
+    for layer in moe_layers(model):  # in-sample: the head's prediction is the drift it saw
+        pos = moe_layers(model).index(layer)
+        X = obs.inputs_NH[pos]
+        drift = layer.router(X)[0].detach() - obs.logits_NE[pos]
+        pred = X @ getattr(layer.router, predictor.HEAD).T
+        assert float((pred - drift).norm() / drift.norm()) < 0.05
+    with torch.no_grad():  # back to the undrifted router, heads kept: the prediction stands in for the drift
+        for n, p in model.named_parameters():
+            p.copy_(before[n])
+    with torch.no_grad(), predictor.record_predicted(model) as pred:
+        model(fresh)
+    free, _ = recorded(model, fresh)
+    assert expert_change(pred, drifted) < 0.5 * expert_change(free, drifted)
+
+
+def test_predictive_replay_runs_end_to_end_and_learns_its_heads(tmp_path):
+    cfg = _cfg(tmp_path, "rl.replay=predictive", "rl.steps=3")
+    task, policy, rollout_policy, ref, optimizer = _setup(cfg, False)
+    torch.manual_seed(cfg.seed)
+    rows = []
+    for step in range(3):
+        rows += rl_step(policy, rollout_policy, ref, optimizer, task, cfg, step, step_prompts(task, cfg, step),
+                        first_update=step * updates_per_step(cfg))
+    assert all(r["routing/expert_change"] == 0.0 for r in rows if r["minibatch"] == 0)  # first update on-policy
+    assert any(r["pr2/drift_rms"] > 0 for r in rows)
+    heads = [getattr(layer.router, predictor.HEAD) for layer in moe_layers(policy)]
+    assert any(h.any() for h in heads)  # fitted to a real drift
+    with pytest.raises(ConfigError, match="rl.replay=predictive samples with the trained policy"):
+        _cfg(tmp_path, "rl.replay=predictive", "rl.rollout_dtype=bfloat16")
