@@ -193,14 +193,20 @@ def test_fitted_predictor_predicts_the_drift_and_routes_closer_to_the_updated_ro
 
 
 def test_predictive_replay_runs_end_to_end_and_learns_its_heads(tmp_path):
-    cfg = _cfg(tmp_path, "rl.replay=predictive", "rl.steps=3")
+    cfg = _cfg(tmp_path, "rl.replay=predictive", "rl.steps=3", "rl.router_lr_mult=10")
     task, policy, rollout_policy, ref, optimizer = _setup(cfg, False)
     torch.manual_seed(cfg.seed)
     rows = []
     for step in range(3):
         rows += rl_step(policy, rollout_policy, ref, optimizer, task, cfg, step, step_prompts(task, cfg, step),
                         first_update=step * updates_per_step(cfg))
-    assert all(r["routing/expert_change"] == 0.0 for r in rows if r["minibatch"] == 0)  # first update on-policy
+    firsts = [r for r in rows if r["minibatch"] == 0]  # each step's first update: before any of its updates
+    # from step 1 on the rollout routes by a non-zero head, away from the trainer's own choice ...
+    assert all(r["mismatch/expert_change"] > 0 for r in firsts[1:])
+    # ... and the old-policy pass and the update replay that same route: exactly on-policy
+    assert all(r["routing/expert_change"] == 0.0 for r in firsts)
+    assert all(r["ratio/token_mean"] == pytest.approx(1.0, abs=1e-6) for r in firsts)
+    assert all(r["ratio/token_var"] == pytest.approx(0.0, abs=1e-10) for r in firsts)
     assert any(r["pr2/drift_rms"] > 0 for r in rows)
     heads = [getattr(layer.router, predictor.HEAD) for layer in moe_layers(policy)]
     assert any(h.any() for h in heads)  # fitted to a real drift
