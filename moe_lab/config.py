@@ -96,7 +96,17 @@ class RLConfig:
     algo: str = param("grpo", "policy objective (formulas: moe_lab/objectives.py)",
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
-                                "rollout (R3: routing recorded during generation)", choices=C.REPLAY_MODES)
+                                "rollout (R3: routing recorded during generation), predictive (R3 of a rollout routed "
+                                "by a learned prediction of the next step's router, a simplified PR2: "
+                                "moe_lab/routing/predictor.py)", choices=C.REPLAY_MODES)
+    replay_gate: float = param(0.0, "gated replay (prime-rl PR #2703): a replayed expert whose current router score "
+                                    "(softmax prob; DeepSeek: sigmoid score) is below gate x the router's own weakest "
+                                    "top-k score is replaced by the router's best expert not kept; 0 = plain replay, "
+                                    "1 = keep only experts the router would pick itself", ge=0.0, le=1.0)
+    replay_gate_weights: bool = param(False, "replay the recorded combine (gate) weights too, not only the expert ids "
+                                             "(prime-rl PR #3523): the router then gets no gradient from the combine")
+    freeze_router: bool = param(False, "router weights get no gradient, no optimizer update and no AdamW state "
+                                       "(prime-rl freeze_moe_router); optim/grad_norm then excludes them")
     clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO/LUSPO 3e-4, CISPO 1.0 = no lower "
                                          "bound, GMPO/RSPO 0.4 in log space, DPPO thresholds TV 0.15 / KL 0.05; "
                                          "SAPO/VESPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
@@ -280,6 +290,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if rl.replay == "old" and rl.old_logp == "rollout":
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
+    _check_replay_options(rl)
     low, high = resolved_clip(rl)
     if not (0.0 <= low < (1.0 if rl.algo not in C.CLIP_LOW_UNBOUNDED else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
@@ -303,6 +314,21 @@ def _check_mixture(task: TaskConfig) -> None:
     if task.eval_size < len(task.mixture):
         raise ConfigError(f"task.eval_size={task.eval_size}: a mixture of {len(task.mixture)} tasks needs "
                           f">= {len(task.mixture)} (each sub-task holds out its share)")
+
+
+def _check_replay_options(rl: RLConfig) -> None:
+    if rl.replay == "none" and (rl.replay_gate > 0 or rl.replay_gate_weights):
+        raise ConfigError("rl.replay_gate/replay_gate_weights apply to replayed routing; set rl.replay=old or rollout, "
+                          "or leave them at 0/false")
+    if rl.replay_gate > 0 and rl.replay_gate_weights:
+        raise ConfigError(f"rl.replay_gate={rl.replay_gate} with rl.replay_gate_weights=true: a replaced expert has no "
+                          "recorded weight; use one or the other")
+    if rl.replay == "predictive" and (rl.rollout_dtype != "float32" or rl.rollout_lag):
+        raise ConfigError("rl.replay=predictive samples with the trained policy's predictor heads; it needs "
+                          "rl.rollout_dtype=float32 and rl.rollout_lag=0 (a separate rollout copy holds no heads)")
+    if rl.freeze_router and rl.router_lr_mult != 1.0:
+        raise ConfigError(f"rl.router_lr_mult={rl.router_lr_mult} with rl.freeze_router=true: a frozen router has no "
+                          "learning rate; leave router_lr_mult at 1.0")
 
 
 def _check_rollout_correction(rl: RLConfig) -> None:

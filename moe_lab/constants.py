@@ -33,7 +33,7 @@ LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mea
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 WHITEN_MODES = ("group", "batch")
-REPLAY_MODES = ("none", "old", "rollout")
+REPLAY_MODES = ("none", "old", "rollout", "predictive")
 OLD_LOGP_SOURCES = ("old_forward", "rollout")
 
 # Rollout correction (moe_lab/rollout_correction.py): (lower, upper) when the config leaves them None.

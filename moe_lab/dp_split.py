@@ -51,6 +51,9 @@ def check_data_parallel(cfg: RunConfig, world: int) -> None:
     if rl.whiten == "batch":
         raise ConfigError("rl.whiten=batch is not supported data-parallel (advantages must be group-local); "
                           "allowed: group")
+    if rl.replay == "predictive":
+        raise ConfigError("rl.replay=predictive is not supported data-parallel (the predictor heads are refitted by "
+                          "the single-process step only); allowed: none, old, rollout")
 
 
 def group_seed(seed: int, step: int, prompt_index: int) -> int:

@@ -13,7 +13,16 @@ def router_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(model, rl: RLConfig) -> torch.optim.Optimizer:
-    """Router weights get lr * router_lr_mult: a knob that makes routing move faster than the rest."""
+    """Router weights get lr * router_lr_mult: a knob that makes routing move faster than the rest.
+
+    rl.freeze_router: the router weights are set requires_grad=False (prime-rl's freeze_moe_router), so no
+    gradient reaches them and AdamW, which skips parameters whose grad is None, never updates, decays or keeps
+    state for them; they stay in their (router) group so the optimizer's layout, and its checkpoints, do not
+    depend on the flag. Done here, where the trained model meets its optimizer, so a resumed run refreezes too.
+    """
+    if rl.freeze_router:
+        for p in router_parameters(model):
+            p.requires_grad_(False)
     router = {id(p) for p in router_parameters(model)}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in router]
     groups = [{"params": rest, "lr": rl.lr, "base_lr": rl.lr, "name": "body"},

@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 
 from moe_lab.models import position_ids_from_mask as position_ids
 from moe_lab.routing import Trace, record
+from moe_lab.routing.predictor import record_predicted
 
 
 @dataclass
@@ -59,7 +60,7 @@ def _response_mask(new_ids_BN: torch.Tensor, eos_id: int) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
              greedy: bool = False, record_routing: bool = False, router_noise: float = 0.0,
-             noise_generator: torch.Generator | None = None) -> RolloutBatch:
+             noise_generator: torch.Generator | None = None, predictive: bool = False) -> RolloutBatch:
     """Sample one response per prompt (repeat prompts for groups) with the KV cache.
 
     Sampling draws from torch's default generator: seed it (and checkpoint its state) for reproducibility.
@@ -71,8 +72,10 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
     cfg = _generation_config(tokenizer, max_new_tokens, temperature, greedy)
     # router log-probs ride along (one log-softmax per layer and step): with rl.old_logp=rollout this trace is
     # the reference of routing/router_shift and RSPO's gamma
+    # (predictive: route by the PR2 predictor's logits, moe_lab/routing/predictor.py)
     noisy = dict(noise_std=router_noise, generator=noise_generator) if router_noise else {}
-    ctx = record(model, router_logp=True, **noisy) if record_routing or noisy else contextlib.nullcontext()
+    recorder = record_predicted if predictive else record
+    ctx = recorder(model, router_logp=True, **noisy) if record_routing or noisy else contextlib.nullcontext()
     with ctx as trace:
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=cfg)
     seq_BS = out.sequences

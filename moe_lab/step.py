@@ -24,6 +24,7 @@ from moe_lab.rollout_correction import rollout_correction
 from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, record, replay, router_gamma,
                              router_logp_probe, router_shift, routing_confidence, routing_metrics, specialization)
+from moe_lab.routing import predictor
 
 LN2 = math.log(2.0)
 DECOMP_SALT = 2_000_003  # noise generator of the decomposition's counterfactual forward: no training stream
@@ -78,11 +79,11 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
     The routing used carries the old router's log-probs of its experts: the reference of routing/router_shift.
     """
-    forced = batch.trace if cfg.rl.replay == "rollout" else None
+    forced = batch.trace if cfg.rl.replay in ("rollout", "predictive") else None
     with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle, \
             train_precision(policy, cfg):
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-    used, free = (handle, handle) if forced is None else (forced.with_router_logp(handle.router_logp_LBTK),
+    used, free = (handle, handle) if forced is None else (handle.used.with_router_logp(handle.router_logp_LBTK),
                                                           handle.latent)
     return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
 
@@ -116,7 +117,8 @@ def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int
     noise = cfg.rl.rollout_router_noise
     gen = _rollout_noise_gen(cfg, step, prompts) if noise else None
     batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
-                     temperature=cfg.rl.temperature, record_routing=True, router_noise=noise, noise_generator=gen)
+                     temperature=cfg.rl.temperature, record_routing=True, router_noise=noise, noise_generator=gen,
+                     predictive=cfg.rl.replay == "predictive")
     return group_prompts, batch
 
 
@@ -198,7 +200,7 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     if old_trace is not None:  # token id at trace column t is input_ids[:, t] (forward_logits drops the last)
         metrics.update(specialization(old_trace, batch.input_ids_BS[:, :old_trace.seq_len], batch.response_mask_BT))
     metrics.update(_task_metrics(task, group_prompts, rewards_B, old_trace, batch.response_mask_BT))
-    forced = {"none": None, "old": old_trace, "rollout": batch.trace}[cfg.rl.replay]
+    forced = {"none": None, "old": old_trace, "rollout": batch.trace, "predictive": batch.trace}[cfg.rl.replay]
     return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
                     is_weights_BT)
 
@@ -206,7 +208,8 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
 def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator, router_logp: bool = False):
     if forced is None:
         return record(policy, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
-    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
+    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp,
+                  gate=cfg.rl.replay_gate, weights=cfg.rl.replay_gate_weights)
 
 
 class RouterShift:
@@ -342,8 +345,10 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     metrics.update(_decomposition(policy, data, idx_B, forced, ref, logp_BT, cfg, step, update_idx))
     if math.isfinite(grad_norm):
         optimizer.step()
-    used, latent = (handle, handle) if forced is None else (forced, handle.latent)  # as in _old_pass
+    used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
     metrics.update(_routing_row(ref, used, latent, mask, shift))
+    if forced is not None and cfg.rl.replay_gate > 0:
+        metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
                     "perf/update_s": time.perf_counter() - t0})
     return metrics
@@ -371,11 +376,21 @@ def _schedule(n: int, cfg: RunConfig, step: int, first_update: int):
             yield epoch, m, first_update + epoch * mb + m, idx_B
 
 
+@torch.no_grad()
+def _pr2_observe(policy, data: StepData, cfg: RunConfig) -> predictor.Observation:
+    """Router inputs and logits before the updates, under the replayed (predicted) rollout routing."""
+    b = data.batch
+    with replay(policy, data.forced_trace, gate=cfg.rl.replay_gate), predictor.observe(policy, b.response_mask_BT) as observed:
+        forward_logits(policy, b.input_ids_BS, b.attention_mask_BS)
+    return observed
+
+
 def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
             first_update: int) -> list[dict]:
     """Collect one rollout batch and run epochs x minibatches updates; one row per update."""
     t0 = time.perf_counter()
     data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+    observed = _pr2_observe(policy, data, cfg) if cfg.rl.replay == "predictive" else None
     rows = []
     n = data.batch.input_ids_BS.shape[0]
     for epoch, m, u, idx_B in _schedule(n, cfg, step, first_update):
@@ -383,8 +398,9 @@ def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, 
         rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **data.batch_metrics, **metrics})
         if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
             break
+    pr2 = {} if observed is None else predictor.fit(policy, observed)  # learn this step's router drift
     wall = time.perf_counter() - t0
     tokens = float(data.batch.response_len_B.sum())
     for r in rows:
-        r.update({"perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
+        r.update({**pr2, "perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
     return rows

@@ -23,6 +23,7 @@ from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import accuracy
+from moe_lab.routing import predictor
 from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text, config_state
 from moe_lab.step import rl_step, updates_per_step
 from moe_lab.tasks import get_task, load_tokenizer
@@ -129,6 +130,8 @@ def _setup(cfg: RunConfig, progress: bool):
     task = get_task(cfg.task, load_tokenizer(str(model_dir)))
     policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(device)
     policy.train(False)  # no dropout: the old and new forwards must be comparable
+    if cfg.rl.replay == "predictive":
+        predictor.install(policy)  # before any copy and before a resume loads the saved heads
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)

@@ -230,7 +230,8 @@ def test_combined_ess_equals_the_whole_batch_ess():
 @pytest.mark.parametrize("override, field", [("rl.prompts_per_step=3", "rl.prompts_per_step"),
                                              ("rl.group_size=3", "rl.group_size"),
                                              ("rl.loss_agg=token-mean", "rl.loss_agg"),
-                                             ("rl.whiten=batch", "rl.whiten")])
+                                             ("rl.whiten=batch", "rl.whiten"),
+                                             ("rl.replay=predictive", "rl.replay")])
 def test_what_cannot_split_is_refused_in_one_line(override, field):
     cfg = validate(from_dict(apply_overrides(SMOKE["base"], [override])))
     with pytest.raises(ConfigError, match=field) as err:

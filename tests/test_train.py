@@ -198,6 +198,8 @@ def kill_and_resume(cfg, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("overrides", [("rl.replay=rollout",),
+                                       # PR2's predictor heads live in the model's buffers: saved and resumed with it
+                                       ("rl.replay=predictive", "rl.replay_gate=0.5", "rl.router_lr_mult=10"),
                                        # a new objective with rollout correction: nothing of either lives outside the checkpoint
                                        ("rl.algo=sapo", "rl.rollout_correction=icepop", "rl.rollout_dtype=bfloat16")])
 def test_sigkill_mid_run_resumes_to_the_uninterrupted_table(tmp_path, overrides):

@@ -9,7 +9,9 @@ each call's (B, S) and KV-cache length; a forward hook on each router reads or r
   length S has S-1 columns, aligned with a teacher-forced forward on input_ids[:, :-1].
 - replay: one forward call covering exactly the trace's (B, S); the trace's ids are forced and the gate
   weights recomputed from the CURRENT logits with the family's gate_weights(), so the router keeps its
-  gradient. ``handle.latent`` is what the router would have chosen.
+  gradient. ``handle.latent`` is what the router would have chosen. ``gate`` > 0: forced experts the router now
+  rates too low give way to its own (routing/gate.py; ``handle.used``, ``handle.replaced_LBSK``); weights=True
+  forces the recorded gate weights too (prime-rl PR #3523): constants, no router gradient from the combine.
 - Activation checkpointing: a router running again within the same call is the backward recompute; it
   reuses the call's forced ids and noise and appends nothing.
 - router_logp=True (record, replay) also keeps the router's log-probabilities (``FamilySpec.router_logp``: a
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from moe_lab.models import moe_layers
+from moe_lab.routing.gate import gated_ids, replace_frac
 from moe_lab.routing.router_logp import RouterLogp
 from moe_lab.routing.trace import Trace
 
@@ -222,6 +225,12 @@ class ReplayHandle:
 
     def __init__(self, trace: Trace, latent: Trace, router_logp: RouterLogp | None = None):
         self.trace, self.latent, self.router_logp = trace, latent, router_logp
+        self.used = trace  # the routing that ran: the trace, or (gate > 0) the gated ids once the call is done
+        self.replaced_LBSK: Tensor | None = None  # gate > 0: which forced (layer, token, slot)s were replaced
+
+    def replace_frac(self, mask_BS: Tensor) -> float:
+        """Share of the replayed (layer, token, slot)s at masked positions that the gate replaced (0 if no gate)."""
+        return 0.0 if self.replaced_LBSK is None else replace_frac(self.replaced_LBSK, mask_BS)
 
     def _need_logp(self) -> RouterLogp:
         if self.router_logp is None:
@@ -237,20 +246,27 @@ class ReplayHandle:
 
     @property
     def router_logp_LBTK(self) -> Tensor:
-        """The current router's log-probs of the forced experts."""
-        return self.router_logp_at(self.trace.indices)
+        """The current router's log-probs of the experts that ran (the forced ones, unless gated)."""
+        return self.router_logp_at(self.used.indices)
 
 
 class _Replayer(_Session):
     def __init__(self, model: nn.Module, trace: Trace, noise_std: float, generator: torch.Generator | None,
-                 router_logp: bool = False):
+                 router_logp: bool = False, gate: float = 0.0, weights: bool = False):
         if not isinstance(trace, Trace):
             raise ValueError(f"trace: expected a moe_lab.routing.Trace, got {type(trace).__name__}")
+        if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0.0 <= gate <= 1.0:
+            raise ValueError(f"gate={gate!r} is out of range: allowed a float in [0, 1]")
+        if weights and (gate > 0 or trace.weights is None):
+            raise ValueError("weights=True needs a trace with recorded weights and gate=0 (a replaced expert has "
+                             "no recorded weight)")
+        self.gate, self.replay_weights = float(gate), bool(weights)
         super().__init__(model, noise_std, generator, router_logp)
         check_trace(model, trace)
         dense = RouterLogp(len(self.layers)) if router_logp else None
         self.handle = ReplayHandle(trace, _empty_trace(self.layers, weights=True, router_logp=router_logp), dense)
         self.forced_NK: list[Tensor | None] = [None] * len(self.layers)
+        self.replaced_NK: list[Tensor | None] = [None] * len(self.layers)
 
     def _start_call(self, B: int, S: int, past: int) -> None:
         if self.calls:
@@ -259,11 +275,23 @@ class _Replayer(_Session):
             raise RuntimeError(f"replay() forces a forward without KV cache; this call has {past} cached positions")
         check_trace(self.model, self.handle.trace, batch_shape=(B, S))
 
-    def _forced(self, pos: int, device: torch.device) -> Tensor:
+    def _forced(self, pos: int, router: nn.Module, noisy_NE: Tensor) -> Tensor:
+        """The ids this layer runs, fixed at its first run of the call (a checkpointing recompute reuses them)."""
         if self.forced_NK[pos] is None:
             ids_BSK = self.handle.trace.indices[pos]
-            self.forced_NK[pos] = ids_BSK.reshape(-1, self.top_k).to(device=device, dtype=torch.long)
+            ids_NK = ids_BSK.reshape(-1, self.top_k).to(device=noisy_NE.device, dtype=torch.long)
+            if self.gate > 0:
+                ids_NK, self.replaced_NK[pos] = gated_ids(self.layers[pos].family, router, noisy_NE, ids_NK, self.gate)
+            self.forced_NK[pos] = ids_NK
         return self.forced_NK[pos]
+
+    def _weights(self, pos: int, router: nn.Module, noisy_NE: Tensor, ids_NK: Tensor, dtype: torch.dtype) -> Tensor:
+        if not self.replay_weights:
+            return self.layers[pos].family.gate_weights(router, noisy_NE, ids_NK)
+        # The recorded fp32 weights, in the dtype the family's own weights have (fp32 in fp32 training: exactly
+        # the recorded values; bf16 under train_dtype=bfloat16 only for the softmax families that cast back).
+        w_NK = self.handle.trace.weights[pos].reshape(-1, self.top_k)
+        return w_NK.to(device=noisy_NE.device, dtype=dtype)
 
     def _route(self, pos: int, router: nn.Module, output: tuple, recompute: bool) -> tuple:
         logits_NE, weights_NK, ids_NK = output
@@ -279,8 +307,8 @@ class _Replayer(_Session):
                 self.handle.router_logp._append(pos, logp_NE.reshape(*self.shape, -1))
                 logp_BSK = self._as_BSK(logp_NE.gather(1, ids_NK.long()))
             self.handle.latent._append(pos, self._as_BSK(ids_NK), self._as_BSK(weights_NK), logp_BSK)
-        forced_NK = self._forced(pos, logits_NE.device)
-        return logits_NE, family.gate_weights(router, noisy_NE, forced_NK), forced_NK
+        forced_NK = self._forced(pos, router, noisy_NE)
+        return logits_NE, self._weights(pos, router, noisy_NE, forced_NK, weights_NK.dtype), forced_NK
 
     def finish(self) -> None:
         if self.calls == 0:
@@ -292,6 +320,13 @@ class _Replayer(_Session):
                                "fused path (e.g. a hub kernel such as MegaBlocksMoeMLP) bypassed them")
         self._check_recomputed("replay()")
         self.handle.latent._finish()
+        if self.gate > 0:
+            B, S = self.shape
+            trace = self.handle.trace
+            ids_LBSK = torch.stack([ids.reshape(B, S, self.top_k) for ids in self.forced_NK])
+            self.handle.used = Trace(ids_LBSK.to(trace.indices.device, trace.indices.dtype),
+                                     num_experts=trace.num_experts, family=trace.family)
+            self.handle.replaced_LBSK = torch.stack([r.reshape(B, S, self.top_k) for r in self.replaced_NK])
 
 
 class _Probe(_Session):
@@ -347,11 +382,12 @@ def record(model: nn.Module, *, weights: bool = True, noise_std: float = 0.0,
 
 
 def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator: torch.Generator | None = None,
-           router_logp: bool = False):
+           router_logp: bool = False, gate: float = 0.0, weights: bool = False):
     """Context manager forcing ``trace``'s ids in every MoE layer for the one forward call inside; gate weights
     come from the current (optionally noised) router logits. Yields a ReplayHandle (``.latent``; with
-    router_logp=True also the current router's log-probs: ``router_logp_at(ids)``, ``router_logp_LBTK``)."""
-    session = _Replayer(model, trace, noise_std, generator, router_logp)
+    router_logp=True also the current router's log-probs: ``router_logp_at(ids)``, ``router_logp_LBTK``).
+    gate in [0, 1]: gated replay (routing/gate.py); weights=True: force the trace's gate weights as well."""
+    session = _Replayer(model, trace, noise_std, generator, router_logp, gate, weights)
     return _session(session, session.handle)
 
 
