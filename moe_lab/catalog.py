@@ -49,7 +49,8 @@ class Runtime:
     def __str__(self) -> str:
         if self.minutes is None:
             return "not measured"
-        return f"{self.minutes:.0f} min ({self.source})" if self.minutes >= 1 else f"{self.minutes * 60:.0f} s ({self.source})"
+        amount = f"{self.minutes:.0f} min" if self.minutes >= 1 else f"{self.minutes * 60:.0f} s"
+        return f"{amount} ({self.source})"
 
 
 def reference_minutes(run_ids: list[str], folder: Path) -> float | None:
@@ -82,7 +83,7 @@ def runtime(name: str, exp: dict, run_ids: list[str], reference_dir: Path = REFE
 @dataclass(frozen=True)
 class Entry:
     name: str
-    cells: int
+    cells: int | None  # None: the file does not expand (its error is the description)
     runtime: Runtime
     description: str
 
@@ -93,8 +94,12 @@ def catalog(reference_dir: Path = REFERENCE_DIR) -> list[Entry]:
 
     entries = []
     for name in builtin_names():
-        exp = load_yaml(str(resources.files(BUILTIN).joinpath(f"{name}.yaml")))
-        run_ids = [c.run_id for c in expand(exp)]
+        try:
+            exp = load_yaml(str(resources.files(BUILTIN).joinpath(f"{name}.yaml")))
+            run_ids = [c.run_id for c in expand(exp)]
+        except ValueError as exc:  # one broken file must not hide the others: listed with its error
+            entries.append(Entry(name, None, Runtime(None, "not measured"), f"invalid: {' '.join(str(exc).split())}"))
+            continue
         entries.append(Entry(name, len(run_ids), runtime(name, exp, run_ids, reference_dir),
                              first_sentence(exp.get("description"))))
     return entries
@@ -104,7 +109,7 @@ def format_catalog(entries: list[Entry]) -> str:
     width = max([len("experiment"), *(len(e.name) for e in entries)])
     lines = [f"{'experiment':<{width}}  {'cells':>5}  runtime on 2 cores"]
     for e in entries:
-        lines.append(f"{e.name:<{width}}  {e.cells:>5}  {e.runtime}")
+        lines.append(f"{e.name:<{width}}  {'?' if e.cells is None else e.cells:>5}  {e.runtime}")
         lines.append(f"{'':<{width}}  {'':>5}  {e.description}")
     lines.append("runtime: (reference) = the committed results/reference/<name>/ runs' training wall_s summed and "
                  f"divided by {WORKERS_2CORES} workers, cold starts excluded; (yaml) = the experiment's minutes_2cores "

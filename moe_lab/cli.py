@@ -1,7 +1,8 @@
 """`moe-lab run / reproduce / plot / config / list`: thin wrappers; the logic lives in importable modules.
 
 Exit codes: 0 every run finished (done, or collapsed: stopped by a collapse rule, a result like any other);
-1 some run did not finish (failed, or locked by another runner) or some run could not be plotted; 2 bad input (one line on stderr, nothing written); 130 interrupted by Ctrl-C.
+1 some run did not finish (failed, or locked by another runner) or some run could not be plotted; 2 bad
+input (one line on stderr, nothing written); 130 interrupted by Ctrl-C.
 """
 
 from __future__ import annotations

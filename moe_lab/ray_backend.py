@@ -66,9 +66,11 @@ def connect(address: str | None):
                              "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, from "
                              "`ray get-auth-token` on its head node") from None
         except (ConnectionError, TimeoutError) as exc:
+            # a wrong token ends here too (Ray logs 'InvalidAuthToken' and raises a plain ConnectionError)
             raise ValueError(f"--address={address or 'local'}: could not join the Ray cluster ({_first_line(exc)}); "
-                             "check that `ray status` works on that node, or drop --address to run on a local "
-                             "cluster") from None
+                             "check that `ray status` works on that node and, if the cluster uses token "
+                             "authentication, that RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) holds its token "
+                             "(`ray get-auth-token` there); or drop --address to run on a local cluster") from None
     return ray
 
 

@@ -88,10 +88,13 @@ def test_a_new_experiment_file_is_listed(monkeypatch, tmp_path):
     (folder / "replay_rescue.yaml").write_text("name: replay_rescue\ndescription: Rescue. More words.\n"
                                                "base: {rl: {steps: 2}}\narms: {a: {}, b: {}}\nseeds: [0, 1, 2]\n"
                                                "minutes_2cores: 4\n")
+    (folder / "broken.yaml").write_text("name: broken\nbase: {rl: {algo: ppo}}\n")
     monkeypatch.setattr(catalog.resources, "files", lambda _pkg: folder)
-    (entry,) = catalog.catalog(reference_dir=tmp_path / "no_reference")
+    broken, entry = catalog.catalog(reference_dir=tmp_path / "no_reference")
     assert (entry.name, entry.cells, entry.description) == ("replay_rescue", 6, "Rescue.")
     assert (entry.runtime.minutes, entry.runtime.source) == (4.0, "yaml")
+    # a file that does not expand is listed with its error instead of hiding the others
+    assert broken.cells is None and broken.description.startswith("invalid:") and "rl.algo" in broken.description
 
 
 def test_runtime_from_a_reference_is_the_summed_wall_time_over_two_workers(tmp_path):

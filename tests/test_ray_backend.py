@@ -120,3 +120,23 @@ def test_unreachable_cluster_is_one_line_before_any_work(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert f"--address={address}: no Ray cluster answers there" in err and "ray start --head" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("error, says", [
+    (ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379"), "RAY_AUTH_TOKEN"),  # wrong token too
+    (ray.exceptions.AuthenticationError("Token authentication is enabled but no token was found"),
+     "refused this client's token"),
+])
+def test_join_failures_are_one_line(monkeypatch, error, says):
+    """What ray.init raises when it cannot join (measured on Ray 2.60: a wrong token gives a ConnectionError
+    after ~20 s of retries; no token at all an AuthenticationError) becomes one line saying what to do."""
+    from moe_lab import ray_backend
+
+    def refuse(**kwargs):
+        raise error
+
+    monkeypatch.setattr(ray_backend, "probe", lambda address: None)  # the cluster 'answers' on its port
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ValueError) as err:
+        ray_backend.connect("10.0.0.1:6379")
+    assert "\n" not in str(err.value) and says in str(err.value) and str(err.value).startswith("--address=10.0.0.1")
