@@ -1,7 +1,7 @@
 """The suite leaves HOME as it found it.
 
 Libraries the tests import keep caches and configs under HOME by default (matplotlib's font cache, wandb's
-settings); those go to one scratch folder of this session instead, removed at the end (a variable already
+settings and logs, IPython's profile and Jupyter's kernel connection files); those go to one scratch folder of this session instead, removed at the end (a variable already
 set by the caller is left alone). Every test that runs the pipeline passes its own ``coldstart.cache_dir``,
 and the Ray tests keep Ray's token and session files in their own tmp folders (tests/test_ray_backend.py).
 
@@ -22,12 +22,13 @@ import pytest
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="moe_lab_tests_"))
 REDIRECTED = {"MPLCONFIGDIR": "matplotlib", "WANDB_DIR": "wandb", "WANDB_CONFIG_DIR": "wandb_config",
-              "WANDB_CACHE_DIR": "wandb_cache", "WANDB_DATA_DIR": "wandb_data"}
+              "WANDB_CACHE_DIR": "wandb_cache", "WANDB_DATA_DIR": "wandb_data",  # wandb-core's logs too
+              "IPYTHONDIR": "ipython", "JUPYTER_RUNTIME_DIR": "jupyter_runtime"}  # the notebook tests' kernels
 for _var, _sub in REDIRECTED.items():
     os.environ.setdefault(_var, str(SCRATCH / _sub))
 # where our dependencies (and moe_lab's default cold-start cache) write under HOME: listed in full
 WATCHED = (".cache/moe_lab", ".ray", ".cache/matplotlib", ".config/matplotlib", ".config/wandb", ".cache/wandb",
-           ".cache/huggingface")
+           ".cache/huggingface", ".ipython", ".local/share/jupyter")
 HOME_DEPTH = 2
 
 
