@@ -1,7 +1,8 @@
-"""`moe-lab run / reproduce / plot / config`: thin wrappers; the logic lives in importable modules.
+"""`moe-lab run / reproduce / plot / config / list`: thin wrappers; the logic lives in importable modules.
 
-Exit codes: 0 all done; 1 some run did not finish (failed, or locked by another runner) or some run could
-not be plotted; 2 bad input (one line on stderr, nothing written); 130 interrupted by Ctrl-C.
+Exit codes: 0 every run finished (done, or collapsed: stopped by a collapse rule, a result like any other);
+1 some run did not finish (failed, or locked by another runner) or some run could not be plotted; 2 bad
+input (one line on stderr, nothing written); 130 interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from moe_lab.catalog import BUILTIN, builtin_names
 from moe_lab.config import ConfigError, RunConfig, field_table, load_yaml
-
-BUILTIN = "moe_lab.experiments"
 
 
 def builtin_experiment(name: str) -> dict:
@@ -87,7 +87,13 @@ def _run(exp: dict, out: str, args) -> int:
                               seeds=_seeds(args.seeds), overwrite=args.overwrite, progress=not args.no_progress,
                               report_to=args.report_to, backend=backend)
     _print_summary(Path(out))
-    failed = [r for r, s in statuses.items() if s != "done"]
+    from moe_lab.runlog import FINISHED, STATUS_COLLAPSED
+
+    collapsed = [r for r, s in statuses.items() if s == STATUS_COLLAPSED]
+    if collapsed:
+        print(f"{len(collapsed)} collapsed (stopped by a collapse rule; finished, see collapse_rule in their "
+              f"manifest.json): {', '.join(collapsed)}")
+    failed = [r for r, s in statuses.items() if s not in FINISHED]
     if failed:
         print(f"{len(failed)} run(s) did not finish: {', '.join(failed)} (see their manifest.json)")
     return 1 if failed else 0
@@ -130,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-lab", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run every cell of an experiment file (resumable, parallel)")
-    p.add_argument("experiment", help="experiment YAML (or a built-in name: paper, smoke, clip_sweep, volatility_sweep)")
+    p.add_argument("experiment", help=f"experiment YAML (or a built-in name: {', '.join(builtin_names())}; "
+                                      "moe-lab list describes them)")
     p.add_argument("--out", required=True, help="experiment results folder")
     _add_run_args(p)
     p = sub.add_parser("reproduce", help="the main job: cold start, GRPO, GRPO+R2, GRPO+R3, GSPO, GSPO-token, figures")
@@ -141,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="figure folder (default: RESULTS/figures)")
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")
     p = sub.add_parser("config", help="print the table of every config field (markdown)")
+    sub.add_parser("list", help="every built-in experiment: first sentence of its description, cells, runtime on "
+                                "2 cores")
     return parser
 
 
@@ -196,6 +205,11 @@ def _main(argv: list[str]) -> int:
             return max(code, _plot(args.out, None, "png"))
         if args.cmd == "plot":
             return _plot(args.results, args.out, args.format)
+        if args.cmd == "list":
+            from moe_lab.catalog import catalog, format_catalog
+
+            print(format_catalog(catalog()))
+            return 0
         print(_config_table())
         return 0
     except ValueError as exc:  # ConfigError included: bad input gets one line, not a traceback

@@ -16,6 +16,14 @@ that does not split evenly, and ``rl.group_size`` not a multiple of ``rl.minibat
 averaged over ranks: the KL loss term (``kl_mode=loss``), the aux loss, ``routing/load_*`` and
 ``ratio/logratio_var`` (see docs/metrics.md); router noise draws depend on the rank's batch shape
 (``rl.rollout_router_noise`` is seeded per group, so its draws do not).
+
+A non-finite loss or gradient norm on any rank ends the step's updates on every rank at the same update: after
+each update the ranks all-reduce one flag (MAX of "this rank saw NaN/inf"), an extra collective that carries
+no training data, so the numbers of a healthy run are unchanged. Without it a rank that stopped early would
+wait in the metrics gather while the others wait in the next update's gradient all-reduce (a hang until the
+process group's timeout). The run then ends ``collapsed`` (rule ``non_finite``) on every rank.
+Test hook (not a config field): ``MOE_LAB_TEST_NAN_RANK=r`` makes rank r report a NaN loss for its first update
+of step ``MOE_LAB_TEST_NAN_STEP`` (default 0), as if its loss alone had overflowed.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from moe_lab import checkpoint
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, dump_yaml, from_dict, load_yaml, validate
 from moe_lab.dp_split import (check_data_parallel, combine_metrics, group_minibatch_indices, group_seed,
                               join_step_data, rank_groups)
+from moe_lab.runlog import FINISHED
 
 # ----------------------------------------------------------------------------- the data-parallel step
 
@@ -70,9 +79,10 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
     mask = data.batch.response_mask_BT
     local_rows = []
     for epoch, m, u, idx_B in _schedule(groups, cfg, step, first_update):
-        metrics = update(ddp_policy, ref_model, optimizer, data, idx_B, cfg, step, u)
+        metrics = _test_nan(update(ddp_policy, ref_model, optimizer, data, idx_B, cfg, step, u), rank, step, u,
+                            first_update)
         local_rows.append(((epoch, m, u), (metrics, float(len(idx_B)), float(mask[idx_B].sum()))))
-        if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
+        if not _finite_on_all_ranks(metrics, policy.device):
             break
     all_rows = _all_gather(local_rows)
     n_updates = min(len(r) for r in all_rows)
@@ -85,6 +95,25 @@ def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg:
         rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics,
                      "perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
     return rows
+
+
+def _finite_on_all_ranks(metrics: dict, device: torch.device) -> bool:
+    """Whether every rank's update had a finite loss and gradient norm: one all-reduced flag, so that every
+    rank stops the step's updates at the same one."""
+    local = math.isfinite(metrics["loss"]) and math.isfinite(metrics["optim/grad_norm"])
+    flag = torch.tensor([0.0 if local else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag.item()) == 0.0
+
+
+def _test_nan(metrics: dict, rank: int, step: int, update_idx: int, first_update: int) -> dict:
+    """Tests only: MOE_LAB_TEST_NAN_RANK=r gives rank r a NaN loss at the first update of step
+    MOE_LAB_TEST_NAN_STEP (default 0); unset (always, outside tests) it returns metrics untouched."""
+    nan_rank = os.environ.get("MOE_LAB_TEST_NAN_RANK")
+    if nan_rank is None or int(nan_rank) != rank or update_idx != first_update \
+            or step != int(os.environ.get("MOE_LAB_TEST_NAN_STEP", "0")):
+        return metrics
+    return {**metrics, "loss": math.nan}
 
 
 def _schedule(groups: range, cfg: RunConfig, step: int, first_update: int):
@@ -155,7 +184,7 @@ def _resume_state(run_dir: Path, policy, optimizer, world: int):
 def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default") -> str:
     """Run (or resume) one run over the process group; rank 0 writes run_dir. Returns the final status."""
     from moe_lab import train as T
-    from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog
+    from moe_lab.runlog import STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, machine_info
     from moe_lab.runner import quiet_transformers
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -183,14 +212,15 @@ def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str 
     dist.broadcast_object_list(health_box, src=0)
     run_health = health_box[0]
     if log:
-        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, world_size=world, **run_health.manifest())
+        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, world_size=world, machine=machine_info(),
+                           **run_health.manifest())
     reason = _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir,
                    rank, world, lagged, run_health)
-    status = STATUS_FAILED if reason else STATUS_DONE
+    status = STATUS_COLLAPSED if reason else STATUS_DONE  # as train(): every stop reason is a collapse rule's
     if log:
         log.flush()
         log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, world_size=world,
-                           **T._health(cfg, log).manifest())
+                           machine=machine_info(), **T._health(cfg, log).manifest())
     dist.barrier()
     return status
 
@@ -256,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = Path(args.out)
         status = train_data_parallel(cfg, out, run_id=args.run_id or out.resolve().name)
-        return 0 if status == "done" else 1
+        return 0 if status in FINISHED else 1
     except ValueError as exc:  # ConfigError included: one line (from rank 0), no traceback
         if rank == 0:
             print(f"moe-lab: error: {exc}", file=sys.stderr)

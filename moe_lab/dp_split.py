@@ -176,7 +176,9 @@ def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
     for k in keys:
         vals = [p[0][k] for p in parts]
         if k in SAME_ON_ALL_RANKS:
-            out[k] = vals[0]
+            # the same number on every rank, unless one rank's is NaN/inf: keep that one, so that the global
+            # row shows the non-finite value the health rules must see
+            out[k] = next((v for v in vals if isinstance(v, float) and not math.isfinite(v)), vals[0])
         elif k.startswith("perf/") or "max" in k.split("/")[-1]:
             out[k] = max(vals)
         elif "min" in k.split("/")[-1]:

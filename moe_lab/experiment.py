@@ -10,6 +10,8 @@ An experiment YAML::
       gspo: {rl: {algo: gspo}}
     sweep: {rl.router_lr_mult: [1, 10]}  # optional: every arm x every point (cartesian)
     seeds: [0, 1, 2]
+    minutes_2cores: 12                 # optional: runtime measured on 2 cores (`moe-lab list`), where no
+                                       # committed reference records it
 
 An arm may carry its own list of points under ``_points`` (e.g. clip ranges that differ per algorithm):
 ``gspo: {rl: {algo: gspo}, _points: [{rl.clip_low: 1e-4, rl.clip_high: 1.3e-4}, ...]}``.
@@ -34,7 +36,7 @@ from typing import Any
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
 
-TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds")
+TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "minutes_2cores")
 BASE_LABEL = "base"
 
 
@@ -86,6 +88,9 @@ def check_shape(exp: Any) -> None:
     for key in ("name", "description"):
         if exp.get(key) is not None and not isinstance(exp[key], str):
             raise ConfigError(f"{key}: expected a string, got {exp[key]!r}")
+    minutes = exp.get("minutes_2cores")
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
+        raise ConfigError(f"minutes_2cores: expected a number of minutes > 0 (measured on 2 cores), got {minutes!r}")
     if exp.get("base") is not None and not isinstance(exp["base"], dict):
         raise ConfigError(f"base: expected a mapping of config fields (e.g. base: {{rl: {{steps: 5}}}}), "
                           f"got {exp['base']!r}")

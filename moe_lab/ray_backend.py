@@ -12,11 +12,14 @@ table never survives. Ray schedules; we add no scheduler of our own.
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
 from moe_lab.experiment import Cell
-from moe_lab.runlog import STATUS_DONE, STATUS_FAILED
+from moe_lab.runlog import FINISHED, STATUS_COLLAPSED, STATUS_FAILED
+
+PROBE_TIMEOUT_S = 3.0
 
 
 def _import_ray():
@@ -31,17 +34,55 @@ def _resources(cfg) -> dict:
     return {"num_cpus": cfg.threads, "num_gpus": 1 if cfg.model.device == "cuda" else 0}
 
 
+def probe(address: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """--address HOST:PORT: one line (ValueError) at once when nothing answers there, instead of Ray's minutes
+    of retries. 'auto', 'local' and None are Ray's to resolve."""
+    if not address or address in ("auto", "local") or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--address={address!r}: allowed HOST:PORT (the head node's GCS port, 6379 by default), "
+                         "auto, or none to start a local cluster")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(f"--address={address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
+                         "with `ray start --head` on that node, check HOST:PORT, or drop --address to run on a "
+                         "local cluster") from None
+
+
 def connect(address: str | None):
-    """Join the cluster at ``address`` ('auto' or HOST:PORT), or start a local one; keeps an existing one."""
+    """Join the cluster at ``address`` ('auto' or HOST:PORT), or start a local one; keeps an existing one.
+
+    A connection or authentication failure is one line (ValueError) saying what to do."""
     ray = _import_ray()
     if not ray.is_initialized():
-        # workers import moe_lab from their own installation; only a local cluster sees this driver's env
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        probe(address)
+        try:
+            # workers import moe_lab from their own installation; only a local cluster sees this driver's env
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except ray.exceptions.AuthenticationError as exc:
+            raise ValueError(f"--address={address}: the Ray cluster refused this client's token ({_first_line(exc)}); "
+                             "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, from "
+                             "`ray get-auth-token` on its head node") from None
+        except (ConnectionError, TimeoutError) as exc:
+            # a wrong token ends here too (Ray logs 'InvalidAuthToken' and raises a plain ConnectionError)
+            raise ValueError(f"--address={address or 'local'}: could not join the Ray cluster ({_first_line(exc)}); "
+                             "check that `ray status` works on that node and, if the cluster uses token "
+                             "authentication, that RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) holds its token "
+                             "(`ray get-auth-token` there); or drop --address to run on a local cluster") from None
     return ray
 
 
-def progress_line(done: int, running: int, failed: int, total: int) -> str:
-    return f"ray: {done}/{total} done, {running} running or queued, {failed} failed"
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def progress_line(done: int, running: int, failed: int, total: int, collapsed: int = 0) -> str:
+    """done counts every finished run, collapsed ones included (their number follows when there are any)."""
+    return (f"ray: {done}/{total} done{f' ({collapsed} collapsed)' if collapsed else ''}, {running} running or "
+            f"queued, {failed} failed")
 
 
 def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, str]:
@@ -69,6 +110,7 @@ class RayCells:
         _import_ray()  # fail before any work when Ray is not installed
         if not (isinstance(max_retries, int) and max_retries >= 0):
             raise ValueError(f"--max-retries={max_retries!r}: allowed an integer >= 0")
+        probe(address)  # an unreachable cluster fails before any folder is made
         self.address, self.max_retries = address, max_retries
 
     def describe(self) -> str:
@@ -88,7 +130,7 @@ class RayCells:
 
 
 def _wait_all(ray, pending: dict, runs_dir: Path, total: int, progress: bool) -> dict[str, str]:
-    statuses, done, failed = {}, 0, 0
+    statuses, done, failed, collapsed = {}, 0, 0, 0
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     try:
         while pending:
@@ -99,8 +141,9 @@ def _wait_all(ray, pending: dict, runs_dir: Path, total: int, progress: bool) ->
             except Exception as exc:  # Ray's errors (node died with no retry left, worker crashed): record
                 run_id, status = _failed_by_ray(cell, runs_dir / cell.run_id, exc)
             statuses[run_id] = status
-            done, failed = done + (status == STATUS_DONE), failed + (status != STATUS_DONE)
-            say(progress_line(done, len(pending), failed, total))
+            done, failed = done + (status in FINISHED), failed + (status not in FINISHED)
+            collapsed += status == STATUS_COLLAPSED
+            say(progress_line(done, len(pending), failed, total, collapsed))
     except KeyboardInterrupt:
         for ref in pending:  # the runs keep their last checkpoint: the same command resumes them
             ray.cancel(ref, force=True)

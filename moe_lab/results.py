@@ -6,7 +6,8 @@ Layout read (written by the runner, see docs/metrics.md)::
 
 ``load_runs`` gives one row per minibatch update (metrics) and one per evaluation (eval), each carrying
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
-the manifest's "status" and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
+the manifest's "status" ('collapsed' for a run a collapse rule stopped, including a 'failed' manifest written
+before that status existed: see runlog.run_status) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
 see moe_lab/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
@@ -33,6 +34,7 @@ import yaml
 
 from moe_lab import health
 from moe_lab.constants import PAPER_CLIP
+from moe_lab.runlog import FINISHED, STATUS_FAILED, run_status
 
 CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")
@@ -154,7 +156,7 @@ def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     evals = pd.read_parquet(run_dir / EVAL_FILE) if (run_dir / EVAL_FILE).exists() else pd.DataFrame()
     run_cols = {k: manifest.get(k) for k in ID_COLUMNS}
     run_cols.update({k: v for k, v in flatten(config).items() if k not in ID_COLUMNS})
-    run_cols.update(status=manifest.get("status"), reason=manifest.get("reason", ""),
+    run_cols.update(status=run_status(manifest), reason=manifest.get("reason", ""),
                     experiment=_experiment_name(run_dir), run_dir=str(run_dir))
     run_cols.update(_collapse(manifest, config, metrics))
     return _with_run_columns(metrics, run_cols), _with_run_columns(evals, run_cols)
@@ -165,7 +167,8 @@ def _collapse(manifest: dict, config: dict, metrics: pd.DataFrame) -> dict:
     recomputed from its rows. Not final: a manifest without the field (written before it existed), a
     running run, or one that failed on an exception (its manifest still holds the value from the start of
     that attempt, while its rows went on)."""
-    final = manifest.get("status") == "done" or (manifest.get("status") == "failed" and "traceback" not in manifest)
+    status = run_status(manifest)
+    final = status in FINISHED or (status == STATUS_FAILED and "traceback" not in manifest)
     if "collapsed_at" in manifest and final:
         at, rule = manifest["collapsed_at"], manifest.get("collapse_rule") or ""
     elif "reward/mean" in metrics and len(metrics):
@@ -312,7 +315,7 @@ def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[s
               last_frac: float = 0.25) -> pd.DataFrame:
     """One row per group (default: per arm), over its runs (seeds):
 
-    seeds, runs, runs_done; the final greedy/sampled eval accuracy (each run's last evaluation); and the
+    seeds, runs, runs_done (finished: 'done' or 'collapsed'); the final greedy/sampled eval accuracy (each run's last evaluation); and the
     mean over the last ``last_frac`` of each run's steps of every SUMMARY_METRICS column. Each quantity q
     gives q (mean over runs), q_lo and q_hi (95% t-interval over runs; NaN with a single run). A metric
     absent from the frame gives NaN columns rather than an error: some runs do not log every metric.
@@ -332,7 +335,7 @@ def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[s
     keys = list(dict.fromkeys([*by, *_run_keys(metrics_df)]))
     runs = metrics_df.groupby(keys, dropna=False, sort=True)[["seed", "status"]].first().reset_index()
     counts = runs.groupby(by, dropna=False, sort=True).agg(
-        seeds=("seed", "nunique"), runs=("seed", "size"), runs_done=("status", lambda s: int((s == "done").sum())))
+        seeds=("seed", "nunique"), runs=("seed", "size"), runs_done=("status", lambda s: int(s.isin(FINISHED).sum())))
     final = final_values(eval_df, SUMMARY_EVAL, by) if len(eval_df) else \
         pd.DataFrame(columns=[*keys, *SUMMARY_EVAL])
     tail = last_frac_means(metrics_df, SUMMARY_METRICS, by, last_frac)

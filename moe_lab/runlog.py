@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import time
@@ -36,6 +37,13 @@ from typing import Any
 import pandas as pd
 
 STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "running", "failed", "interrupted"
+# A run a collapse rule of moe_lab/health.py stopped: final like 'done' (never recomputed, counted as finished).
+STATUS_COLLAPSED = "collapsed"
+FINISHED = (STATUS_DONE, STATUS_COLLAPSED)
+# The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed
+# (status 'failed', no traceback) is told apart from a run that failed on an error.
+STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
+MACHINE_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")  # the three pins of the kernel ISA
 LOCK_FILE = ".lock"
 
 
@@ -203,6 +211,29 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def run_status(manifest: dict) -> str | None:
+    """The manifest's status, with the back-compat rule: a 'failed' manifest that a collapse rule wrote (it
+    names the rule, holds a stop reason and no traceback; every run before 'collapsed' existed) is 'collapsed'."""
+    status = manifest.get("status")
+    if (status == STATUS_FAILED and manifest.get("collapse_rule") and "traceback" not in manifest
+            and str(manifest.get("reason", "")).startswith(STOP_REASON_PREFIXES)):
+        return STATUS_COLLAPSED
+    return status
+
+
+def machine_info() -> dict[str, Any]:
+    """What decides a CPU run's floating-point results besides the code: the kernels torch dispatches to
+    (cpu_capability), the BLAS it was built with, the intra-op thread count, and the env vars that pin them."""
+    import torch
+
+    build = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=([^,\s]+)", build)
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas and blas.group(1),
+            "mkl": torch.backends.mkl.is_available(), "mkldnn": torch.backends.mkldnn.is_available(),
+            "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "env": {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}}
+
+
 def config_state(run_dir: Path, config_text: str) -> str:
     """'new' (no config yet), 'same' (this very config: a resume or a finished run) or 'other'."""
     path = Path(run_dir) / "config.yaml"
@@ -246,6 +277,6 @@ class RunLog:
         manifest.pop("traceback", None)  # belongs to the attempt that failed, not to this status
         manifest.update({**self.info, "status": status, "reason": reason, "updated": time.time(),
                          "versions": package_versions(), "git_commit": git_commit(), **extra})
-        if status == STATUS_DONE:  # what a finished run's tables must hold, even once checkpoint/ is trimmed
+        if status in FINISHED:  # what a finished run's tables must hold, even once checkpoint/ is trimmed
             manifest.update(rows=len(self.rows), eval_rows=len(self.eval_rows))
         atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, default=str))

@@ -26,8 +26,8 @@ import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.experiment import Cell, expand
-from moe_lab.runlog import (STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock, atomic_write_text,
-                            config_state, read_json)
+from moe_lab.runlog import (FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock,
+                            atomic_write_text, config_state, read_json, run_status)
 
 STATUS_LOCKED = "locked"
 EXPERIMENT_FILE = "experiment.yaml"
@@ -59,30 +59,37 @@ def default_jobs(threads_per_run: int = 1) -> int:
 
 
 def _verified_done(run_dir: Path) -> bool:
-    """A 'done' manifest counts only if the tables hold what the run committed: the final checkpoint's rows
-    (verified with their digests), or, in a folder trimmed of checkpoint/, the row counts of the manifest."""
+    """A finished manifest ('done' or 'collapsed') counts only if the tables hold what the run committed: the
+    final checkpoint's rows (verified with their digests), or the row counts of the manifest (a folder trimmed
+    of checkpoint/, or a collapsed run: it stops after its last checkpoint, with more rows than that holds)."""
     from moe_lab.checkpoint import ResumeError, read_state
     from moe_lab.runlog import read_rows
 
     try:
-        if read_state(run_dir / "checkpoint") is not None:
-            return True
+        committed = read_state(run_dir / "checkpoint") is not None
     except ResumeError:
         return False  # resumed: train() refuses with the message naming the file, and the run is not 'done'
     manifest = read_json(run_dir / "manifest.json")
+    if committed and manifest.get("status") == STATUS_DONE:
+        return True
     if not (run_dir / "metrics.parquet").exists():
         return False
     return all(len(read_rows(run_dir / name)) >= manifest[key]
                for key, name in (("rows", "metrics.parquet"), ("eval_rows", "eval.parquet")) if key in manifest)
 
 
+def finished_status(run_dir: Path) -> str | None:
+    """'done' or 'collapsed' for a verified finished run (never recomputed), else None."""
+    status = run_status(read_json(run_dir / "manifest.json"))
+    return status if status in FINISHED and _verified_done(run_dir) else None
+
+
 def _cell_state(cell: Cell, run_dir: Path) -> str:
-    """'new', 'done', 'resume', or 'conflict' (the folder holds another config)."""
+    """'new', 'done' (finished: done or collapsed), 'resume', or 'conflict' (the folder holds another config)."""
     state = config_state(run_dir, dump_yaml(cell.config))
     if state != "same":
         return "conflict" if state == "other" else "new"
-    done = read_json(run_dir / "manifest.json").get("status") == STATUS_DONE
-    return "done" if done and _verified_done(run_dir) else "resume"
+    return "done" if finished_status(run_dir) else "resume"
 
 
 def plan(cells: list[Cell], runs_dir: Path, *, overwrite: bool) -> dict[str, list[Cell]]:
@@ -130,15 +137,25 @@ def _train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
         return cell.run_id, f"{STATUS_LOCKED}: {exc}"
     with lock:
         # The other runner may have finished this cell between our plan and our lock.
-        if read_json(run_dir / "manifest.json").get("status") == STATUS_DONE and _verified_done(run_dir) \
-                and config_state(run_dir, dump_yaml(cell.config)) == "same":
-            return cell.run_id, STATUS_DONE
+        finished = finished_status(run_dir)
+        if finished and config_state(run_dir, dump_yaml(cell.config)) == "same":
+            return cell.run_id, finished
         try:
             return cell.run_id, train(cell.config, run_dir, run_id=cell.run_id, arm=cell.arm)
         except Exception as exc:  # one broken cell must not take the batch down: record it and go on
             log = RunLog(run_dir, run_info(cell.config, cell.run_id, cell.arm))
-            log.write_manifest(STATUS_FAILED, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            log.write_manifest(STATUS_FAILED, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                               **_machine_or_nothing())
             return cell.run_id, STATUS_FAILED
+
+
+def _machine_or_nothing() -> dict:
+    try:  # the manifest of a run that failed still says where; never a second error on the way
+        from moe_lab.runlog import machine_info
+
+        return {"machine": machine_info()}
+    except Exception:
+        return {}
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -203,7 +220,7 @@ def _mark_interrupted(cells: list[Cell], runs_dir: Path) -> list[str]:
             manifest = read_json(run_dir / "manifest.json")
         except ValueError:
             continue
-        if not manifest or manifest.get("status") in (STATUS_DONE, STATUS_FAILED):
+        if not manifest or run_status(manifest) in (*FINISHED, STATUS_FAILED):
             continue
         try:
             lock = RunLock(run_dir).acquire()
@@ -323,7 +340,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     where = f"{jobs} worker(s)" if backend is None else backend.describe()
     echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
          f"{len(groups['new'])} new; {where} -> {out}")
-    statuses = {c.run_id: STATUS_DONE for c in groups["done"]}
+    statuses = {c.run_id: finished_status(runs_dir / c.run_id) or STATUS_DONE for c in groups["done"]}
     if todo:
         statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress))
     for run_id, status in statuses.items():

@@ -1,7 +1,8 @@
 """One RL run: cold-started policy, the step loop, evaluation, checkpoints and a clean ending.
 
-A run never raises on a training pathology: NaN/inf and a collapsed reward end it with a status and a
-reason in its manifest, so that one bad cell never takes down a batch of runs. The manifest also records
+A run never raises on a training pathology: NaN/inf and a collapsed reward end it with status ``collapsed``
+(final like ``done``: its last evaluation is of the policy it stopped with) and a reason in its manifest, so
+that one bad cell never takes down a batch of runs. The manifest also records
 ``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/health.py that fired (soft rules
 mark the run without stopping it unless rl.stop_on_collapse).
 """
@@ -24,7 +25,8 @@ from moe_lab.models import load_model, resolve_device
 from moe_lab.optim import build_optimizer
 from moe_lab.rollout import accuracy
 from moe_lab.routing import predictor
-from moe_lab.runlog import STATUS_DONE, STATUS_FAILED, STATUS_RUNNING, RunLog, atomic_write_text, config_state
+from moe_lab.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
+                            machine_info)
 from moe_lab.step import rl_step, updates_per_step
 from moe_lab.tasks import get_task, load_tokenizer
 
@@ -154,11 +156,13 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     state = TrainState.from_dict(checkpoint.load(run_dir / "checkpoint", policy, optimizer))
     lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
     log.load(state.rows, state.eval_rows)
-    log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **_health(cfg, log).manifest())
+    log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, machine=machine_info(),
+                       **_health(cfg, log).manifest())
     reason = _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log, state, run_dir, progress, lagged)
-    status = STATUS_FAILED if reason else STATUS_DONE
+    status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
     log.flush()
-    log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **_health(cfg, log).manifest())
+    log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, machine=machine_info(),
+                       **_health(cfg, log).manifest())
     return status
 
 

@@ -60,7 +60,7 @@ def write_config(tmp: Path, *overrides: str) -> Path:
 def torchrun(nproc: int, config: Path, out: Path, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "moe_lab.train", str(config), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **kw.pop("env", {})}
     if kw.pop("background", False):
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -152,6 +152,40 @@ def test_resume_after_sigkill_of_one_rank_reproduces_the_table(dp_runs, tmp_path
     timing = ["run_id", *(c for c in a.columns if c.startswith("perf/"))]
     # same world size, same seeds: bit-identical apart from timings (and the folder name)
     pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing))
+
+
+def test_nan_on_one_rank_ends_every_rank_at_once(tmp_path):
+    """Rank 1 alone sees a NaN loss (MOE_LAB_TEST_NAN_RANK): without the all-reduced flag it would stop its
+    updates and wait in the metrics gather while rank 0 waits in the next update's gradient all-reduce (a hang
+    until the 30-minute process-group timeout). Both ranks stop at the same update; the run is collapsed."""
+    config = write_config(tmp_path, "rl.steps=3")
+    t0 = time.monotonic()
+    proc = torchrun(2, config, tmp_path / "out", background=True,
+                    env={"MOE_LAB_TEST_NAN_RANK": "1", "MOE_LAB_TEST_NAN_STEP": "1"})
+    try:
+        stdout, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hang: leave nothing running
+        proc.communicate()
+        pytest.fail("a NaN on one rank hung the run")
+    # torchrun's 0: every rank returned 0, i.e. a finished status on each (1 would be 'failed')
+    assert proc.returncode == 0, stdout
+    assert time.monotonic() - t0 < 150
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["status"], manifest["collapse_rule"], manifest["collapsed_at"]) == ("collapsed", "non_finite", 1)
+    rows = pd.read_parquet(tmp_path / "out" / "metrics.parquet")
+    # step 0 whole (2 updates), then step 1's first update only, with rank 1's NaN in the combined loss
+    assert rows["step"].tolist() == [0, 0, 1] and rows["loss"].iloc[:2].map(math.isfinite).all()
+    assert math.isnan(rows["loss"].iloc[2]) and manifest["steps_done"] == 2
+
+
+def test_combined_metrics_keep_a_ranks_non_finite_value():
+    """grad_norm is the same on every rank, unless one rank's is NaN/inf: the global row must show it."""
+    part = {"loss": 1.0, "optim/grad_norm": 2.0, "step": 0}
+    assert combine_metrics([(part, 1.0, 1.0), (part, 1.0, 1.0)])["optim/grad_norm"] == 2.0
+    bad = {**part, "optim/grad_norm": math.inf}
+    assert combine_metrics([(part, 1.0, 1.0), (bad, 1.0, 1.0)])["optim/grad_norm"] == math.inf
+    assert math.isnan(combine_metrics([(part, 1.0, 1.0), ({**part, "loss": math.nan}, 1.0, 1.0)])["loss"])
 
 
 def _children_running_moe_lab(root_pid: int) -> list[int]:

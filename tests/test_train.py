@@ -227,7 +227,8 @@ def test_soft_collapse_is_recorded_and_stops_the_run_only_when_asked(tmp_path):
                                                                             "reward_drop")
     assert manifest["steps_done"] == 4
     stopped = json.loads((tmp_path / "stop" / "manifest.json").read_text())
-    assert stop == "failed" and stopped["reason"].startswith(f"reward collapsed at step {expected.collapsed_at}")
+    assert stop == stopped["status"] == "collapsed"  # final, like 'done': a stop by a collapse rule is a result
+    assert stopped["reason"].startswith(f"reward collapsed at step {expected.collapsed_at}")
     assert stopped["collapsed_at"] == expected.collapsed_at and stopped["steps_done"] == expected.collapsed_at + 1
     cut = _table(tmp_path / "go_on")
     pd.testing.assert_frame_equal(_table(tmp_path / "stop"), cut[cut["step"] <= expected.collapsed_at])
