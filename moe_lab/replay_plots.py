@@ -56,12 +56,22 @@ def _survival(ax, metrics_df: pd.DataFrame, arms: Sequence[str]) -> None:
     ax.set(xlabel=STEP, ylabel="share of runs not yet collapsed", ylim=(-0.03, 1.05), title="collapse survival")
 
 
+def held_evals(eval_df: pd.DataFrame, metric: str = "eval/acc_greedy") -> pd.DataFrame:
+    """Each run's evaluations on the union of every run's evaluation steps, its last value held after it
+    stops: a run a collapse rule stopped keeps the accuracy of the policy it stopped with, instead of
+    dropping out and leaving a mean over the survivors only (which would flatter the arm)."""
+    keys = [c for c in ("arm", "experiment", "run_id", "seed") if c in eval_df.columns]
+    wide = eval_df.pivot_table(index="step", columns=keys, values=metric, aggfunc="mean").sort_index().ffill()
+    return wide.stack(keys, future_stack=True).rename(metric).dropna().reset_index()
+
+
 def _eval_curves(ax, eval_df: pd.DataFrame, arms: Sequence[str]) -> None:
-    table = results.per_step(eval_df[eval_df["arm"].isin(arms)], "eval/acc_greedy", by=("arm",))
+    table = results.per_step(held_evals(eval_df[eval_df["arm"].isin(arms)]), "eval/acc_greedy", by=("arm",))
     for arm in arms:
         rows = table[table["arm"] == arm]
         band(ax, rows, arm_label(arm), arm_color(arm), linestyle=arm_linestyle(arm, arms))
-    ax.set(xlabel=STEP, ylabel="greedy accuracy (held-out prompts)", title="held-out accuracy")
+    ax.set(xlabel=STEP, ylabel="greedy accuracy (held-out prompts)",
+           title="held-out accuracy (a stopped run holds its last)")
 
 
 @styled

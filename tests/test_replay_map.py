@@ -81,3 +81,13 @@ def test_replay_figures_are_planned_only_with_the_decomposition():
     fig = replay_plots.replay_map_figure(metrics, evals)
     points = [len(c.lines[0].get_xdata()) for c in fig.axes[0].containers if c.get_label().endswith("- GRPO")]
     assert sorted(points) == [1, 2]  # GSPO at one setting, R2 at both
+
+
+def test_a_stopped_run_holds_its_last_evaluation_in_the_rescue_curves():
+    evals = pd.DataFrame([{"arm": "grpo", "run_id": "a", "seed": 0, "step": s, "eval/acc_greedy": v}
+                          for s, v in ((0, 0.6), (10, 0.5), (13, 0.0))]  # stopped by a collapse after step 12
+                         + [{"arm": "grpo", "run_id": "b", "seed": 1, "step": s, "eval/acc_greedy": v}
+                            for s, v in ((0, 0.6), (10, 0.7), (20, 0.8))])
+    held = replay_plots.held_evals(evals).set_index(["run_id", "step"])["eval/acc_greedy"]
+    assert held[("a", 20)] == 0.0 and held[("b", 13)] == 0.7  # held forward, never backward
+    assert ("a", 5) not in held.index and len(held) == 8  # only observed steps, on the union grid
