@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerFast
 
 from moe_lab.config import ModelConfig, apply_overrides, from_dict, validate
 from moe_lab.models import build_model
+from moe_lab.ratio_metrics import DECOMP_KEYS
 from moe_lab.tasks import get_task, load_tokenizer
 from moe_lab.train import train
 
@@ -47,4 +48,5 @@ def test_checkpoint_with_its_own_tokenizer_trains(tmp_path):
     assert train(cfg, tmp_path / "run", run_id="ckpt") == "done"
     df = pd.read_parquet(tmp_path / "run" / "metrics.parquet")
     assert len(df) == 4 and df["routing/expert_change"].iloc[0] == 0.0
-    assert df.select_dtypes("number").notna().all().all()
+    # every column is filled, but the ratio decomposition's on the updates rl.decomp_every skips (NaN there)
+    assert df.drop(columns=[c for c in DECOMP_KEYS if c in df]).select_dtypes("number").notna().all().all()
