@@ -93,7 +93,7 @@ class ColdStartConfig:
 
 @dataclass
 class RLConfig:
-    algo: str = param("grpo", "policy objective (formulas: moe_lab/objectives.py)",
+    algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
                                 "rollout (R3: routing recorded during generation), predictive (R3 of a rollout routed "
@@ -179,7 +179,7 @@ class RLConfig:
     eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
     checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
     collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "
-                                     "the soft collapse rules watch (moe_lab/health.py)", ge=1)
+                                     "the soft collapse rules watch (moe_lab/rl/health.py)", ge=1)
     collapse_drop: float = param(0.5, "soft reward collapse: the reward's moving average stays below this "
                                       "fraction of its running best for rl.collapse_patience steps", gt=0.0, lt=1.0)
     collapse_patience: int = param(5, "consecutive steps below rl.collapse_drop x best before a "

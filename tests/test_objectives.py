@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_lab.config import PAPER_CLIP, RLConfig, ConfigError, from_dict, validate
-from moe_lab.losses import ALL_ALGOS, LOSS_AGGS, policy_loss
-from moe_lab.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
+from moe_lab.algos.losses import ALL_ALGOS, LOSS_AGGS, policy_loss
+from moe_lab.algos.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
 
 FAST = settings(max_examples=12, deadline=None)
 NEW = ("sapo", "cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl", "luspo", "vespo")

@@ -12,11 +12,11 @@ import torch
 from test_train import tiny
 
 from moe_lab.models import build_model
-from moe_lab.optim import build_optimizer
-from moe_lab.ratio_metrics import DECOMP_KEYS, ratio_decomposition
-from moe_lab.rollout import forward_logits, token_logprobs
+from moe_lab.rl.optim import build_optimizer
+from moe_lab.algos.ratio_metrics import DECOMP_KEYS, ratio_decomposition
+from moe_lab.rl.rollout import forward_logits, token_logprobs
 from moe_lab.routing import record, replay
-from moe_lab.step import collect, minibatch_indices, update
+from moe_lab.rl.step import collect, minibatch_indices, update
 from moe_lab.tasks import get_task
 
 
@@ -153,7 +153,7 @@ def test_decomp_every_leaves_nan_on_skipped_updates_and_changes_nothing_else(tmp
 def test_data_parallel_combination_gives_the_whole_batch_decomposition():
     """dp_split.combine_metrics: means by tokens, variances and the covariance by the law of total
     (co)variance, routing_share from the combined variances: equal to the decomposition of the whole batch."""
-    from moe_lab.dp_split import combine_metrics
+    from moe_lab.rl.dp_split import combine_metrics
 
     g = torch.Generator().manual_seed(3)
     old = torch.randn(6, 9, generator=g)

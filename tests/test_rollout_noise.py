@@ -8,9 +8,9 @@ import torch
 
 from moe_lab.config import ConfigError, ModelConfig, RLConfig, RunConfig, TaskConfig, validate
 from moe_lab.models import build_model
-from moe_lab.rollout import forward_logits, generate
+from moe_lab.rl.rollout import forward_logits, generate
 from moe_lab.routing import expert_change, record
-from moe_lab.step import _rollout_noise_gen, collect
+from moe_lab.rl.step import _rollout_noise_gen, collect
 from moe_lab.tasks import get_task
 
 

@@ -1,6 +1,6 @@
 """Figures of Routing Replay's effect: the replay map and the replay-rescue head line.
 
-DataFrame in, Figure out (reads no files, never trains); built on moe_lab/plots.py's helpers and arm colours.
+DataFrame in, Figure out (reads no files, never trains); built on moe_lab/analysis/plots.py's helpers and arm colours.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab import replay_map, results, stability
-from moe_lab.plots import STEP, _arms, _figure, arm_color, arm_label, arm_linestyle, band, curves, figure_legend, styled
+from moe_lab.analysis import replay_map
+from moe_lab.analysis import results
+from moe_lab.analysis import stability
+from moe_lab.analysis.plots import STEP, _arms, _figure, arm_color, arm_label, arm_linestyle, band, curves, figure_legend, styled
 
 
 def _setting_label(factor, level) -> str:

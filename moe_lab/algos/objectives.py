@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
+from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "OBJECTIVES", "RSPO_FLOOR_DEFAULT",
            "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT", "VESPO_SHAPE_DEFAULT"]

@@ -1,6 +1,6 @@
 """How one data-parallel step is split over the ranks and put back together (no torch.distributed here).
 
-``moe_lab.distributed`` runs the process group; this module holds what makes its table independent of the
+``moe_lab.rl.distributed`` runs the process group; this module holds what makes its table independent of the
 world size:
 - every prompt group is sampled under its own seed, a function of (seed, step, prompt index), so a group
   gets the same responses on whichever rank it lands (this sampling mode is used for every torchrun run,
@@ -121,9 +121,9 @@ def join_step_data(parts: list, pad_token_id: int, replay: str):
 
     ``replay``: the run's rl.replay, which decides the forced trace as in step.collect.
     """
-    from moe_lab.rollout import RolloutBatch
+    from moe_lab.rl.rollout import RolloutBatch
     from moe_lab.routing import Trace
-    from moe_lab.step import StepData
+    from moe_lab.rl.step import StepData
 
     if len(parts) == 1:
         return parts[0]

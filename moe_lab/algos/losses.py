@@ -1,4 +1,4 @@
-"""Policy loss around the objective registry (``moe_lab.objectives``), and the KL estimators.
+"""Policy loss around the objective registry (``moe_lab.algos.objectives``), and the KL estimators.
 
 Everything is a pure tensor function. ``policy_loss`` returns the loss to MINIMISE and a dict of
 detached metrics. Switching algorithm changes one thing, the objective function picked from
@@ -25,7 +25,7 @@ import numbers
 import torch
 
 from moe_lab import constants as C
-from moe_lab.objectives import (
+from moe_lab.algos.objectives import (
     DPPO_RATIO_CAP_DEFAULT,
     OBJECTIVES,
     RSPO_FLOOR_DEFAULT,
@@ -35,7 +35,7 @@ from moe_lab.objectives import (
     ObjectiveInputs,
     ObjectiveTerms,
 )
-from moe_lab.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
+from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
 __all__ = [
     "ALGOS",

@@ -1,4 +1,4 @@
-"""Figures of the paper's comparisons, from the frames of moe_lab.results (never reads files, never trains).
+"""Figures of the paper's comparisons, from the frames of moe_lab.analysis.results (never reads files, never trains).
 
 Every function returns a matplotlib Figure built without pyplot (no global figure registry, no display
 backend needed: savefig picks Agg/PDF/SVG by format). Curves are the mean over seeds with a shaded 95%
@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moe_lab import results
+from moe_lab.analysis import results
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
 ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",

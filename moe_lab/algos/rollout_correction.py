@@ -26,7 +26,7 @@ import math
 import torch
 
 from moe_lab import constants as C
-from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
+from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["MODES", "DEFAULT_BOUNDS", "METRIC_KEYS", "resolved_bounds", "rollout_correction"]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.results import (Z975, _check_columns, _group_ci, _run_keys, arm_factor_level, base_arm,
+from moe_lab.analysis.results import (Z975, _check_columns, _group_ci, _run_keys, arm_factor_level, base_arm,
                              final_values, last_frac_means)
 
 # --------------------------------------------------------------------------- collapse
@@ -111,7 +111,7 @@ def level_order(levels: Iterable[str]) -> list[str]:
 def with_base_levels(frame: pd.DataFrame, design: dict) -> pd.DataFrame:
     """Rows of a ``factors`` experiment's shared base cells ('<arm>__base') copied onto every factor's axis,
     at the level that factor's block marks as the base ({}), so each factor's curve includes the base point."""
-    from moe_lab.experiment import BASE_LABEL, factor_levels
+    from moe_lab.launch.experiment import BASE_LABEL, factor_levels
 
     frame = _with_labels(frame)
     if not len(frame):
@@ -127,7 +127,7 @@ def with_base_levels(frame: pd.DataFrame, design: dict) -> pd.DataFrame:
 
 def design_levels(design: dict) -> dict[str, list[str]]:
     """factor -> its level labels in the order the experiment file lists them."""
-    from moe_lab.experiment import factor_levels
+    from moe_lab.launch.experiment import factor_levels
 
     return {factor: [label for label, _ in levels] for factor, levels in factor_levels(design).items()}
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from moe_lab import constants as C
-from moe_lab.advantages import group_advantages
+from moe_lab.algos.advantages import group_advantages
 from moe_lab.config import RunConfig, resolved_clip
-from moe_lab.losses import kl_penalty, masked_mean, policy_loss
-from moe_lab.optim import set_lr
-from moe_lab.ratio_metrics import nan_decomposition, ratio_decomposition
-from moe_lab.rollout_correction import rollout_correction
-from moe_lab.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
+from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
+from moe_lab.rl.optim import set_lr
+from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
+from moe_lab.algos.rollout_correction import rollout_correction
+from moe_lab.rl.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, record, replay, router_gamma,
                              router_logp_probe, router_shift, routing_confidence, routing_metrics, specialization)
 from moe_lab.routing import predictor

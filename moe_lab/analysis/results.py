@@ -8,7 +8,7 @@ Layout read (written by the runner, see docs/metrics.md)::
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
 the manifest's "status" ('collapsed' for a run a collapse rule stopped, including a 'failed' manifest written
 before that status existed: see runlog.run_status) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
-see moe_lab/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
+see moe_lab/rl/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
 means the paper's default for the algorithm, which a sweep plot needs as a number).
@@ -32,9 +32,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from moe_lab import health
+from moe_lab.rl import health
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.runlog import FINISHED, STATUS_FAILED, run_status
+from moe_lab.rl.runlog import FINISHED, STATUS_FAILED, run_status
 
 CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")
@@ -319,10 +319,10 @@ def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[s
     mean over the last ``last_frac`` of each run's steps of every SUMMARY_METRICS column. Each quantity q
     gives q (mean over runs), q_lo and q_hi (95% t-interval over runs; NaN with a single run). A metric
     absent from the frame gives NaN columns rather than an error: some runs do not log every metric.
-    Collapse (moe_lab/health.py): collapses (runs with a collapsed_at), collapse_rate with its Wilson 95%
+    Collapse (moe_lab/rl/health.py): collapses (runs with a collapsed_at), collapse_rate with its Wilson 95%
     interval collapse_rate_lo/_hi, collapse_step_median over the collapsed runs.
     """
-    from moe_lab import stability  # it builds on this module's loaders and reductions
+    from moe_lab.analysis import stability  # it builds on this module's loaders and reductions
 
     by = [by] if isinstance(by, str) else list(by)
     if not by:
@@ -360,7 +360,7 @@ def _fmt_ci(mean: float, lo: float, hi: float) -> str:
 
 def format_summary(df: pd.DataFrame) -> str:
     """A compact terminal table of summarize()'s output: 'mean ±half-width' of each 95% interval."""
-    from moe_lab import stability
+    from moe_lab.analysis import stability
 
     quantities = [q for q in (*SUMMARY_EVAL, *SUMMARY_METRICS) if q in df.columns]
     lead = [c for c in df.columns if c not in quantities and not str(c).endswith(("_lo", "_hi"))

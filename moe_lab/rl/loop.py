@@ -3,7 +3,7 @@
 A run never raises on a training pathology: NaN/inf and a collapsed reward end it with status ``collapsed``
 (final like ``done``: its last evaluation is of the policy it stopped with) and a reason in its manifest, so
 that one bad cell never takes down a batch of runs. The manifest also records
-``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/health.py that fired (soft rules
+``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/rl/health.py that fired (soft rules
 mark the run without stopping it unless rl.stop_on_collapse).
 """
 
@@ -18,16 +18,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_lab import checkpoint, health
-from moe_lab.coldstart import cold_start
+from moe_lab.rl import checkpoint
+from moe_lab.rl import health
+from moe_lab.rl.coldstart import cold_start
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
-from moe_lab.optim import build_optimizer
-from moe_lab.rollout import accuracy
+from moe_lab.rl.optim import build_optimizer
+from moe_lab.rl.rollout import accuracy
 from moe_lab.routing import predictor
-from moe_lab.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
+from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
                             machine_info)
-from moe_lab.step import rl_step, updates_per_step
+from moe_lab.rl.step import rl_step, updates_per_step
 from moe_lab.tasks import get_task, load_tokenizer
 
 
@@ -210,6 +211,6 @@ def _progress(steps, enabled: bool, label: str):
 if __name__ == "__main__":  # torchrun [--nproc-per-node N] -m moe_lab.train RUN.yaml --out DIR
     import sys
 
-    from moe_lab.distributed import main
+    from moe_lab.rl.distributed import main
 
     sys.exit(main())

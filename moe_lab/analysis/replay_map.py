@@ -3,7 +3,7 @@
 One point per setting (a factor level of a one-factor-at-a-time experiment, or the whole experiment): x is
 how much of GRPO's importance-ratio noise comes from routing (``ratio/routing_share`` of its runs, the ratio
 decomposition of docs/metrics.md), y is what replay (or GSPO) buys over GRPO in final greedy accuracy.
-Reads the frames of moe_lab.results; never trains, never reads files.
+Reads the frames of moe_lab.analysis.results; never trains, never reads files.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.results import _check_columns, mean_ci, t_quantile_975
-from moe_lab.stability import _with_labels
+from moe_lab.analysis.results import _check_columns, mean_ci, t_quantile_975
+from moe_lab.analysis.stability import _with_labels
 
 SHARE = "ratio/routing_share"
 REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay

@@ -1,6 +1,6 @@
 """Figures of collapse and stability: survival, the stability atlas (experiments/atlas.yaml) and the
 head to head of experiments/stabilizers.yaml. DataFrame in, Figure out (reads no files); built on
-moe_lab/plots.py's helpers and arm colours.
+moe_lab/analysis/plots.py's helpers and arm colours.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from moe_lab import stability
-from moe_lab.plots import (STEP, _arms, _figure, _positive_floor, arm_color, arm_label, arm_linestyle, arm_order,
+from moe_lab.analysis import stability
+from moe_lab.analysis.plots import (STEP, _arms, _figure, _positive_floor, arm_color, arm_label, arm_linestyle, arm_order,
                            curves, figure_legend, styled)
 
 # (arm_table column, axis label, log x)
@@ -90,7 +90,7 @@ def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Fig
     ax.set(xlabel=STEP, ylabel="share of runs not yet collapsed", ylim=(-0.03, 1.05),
            title="survival (censored at each run's last step)")
     figure_legend(fig, ax)
-    fig.suptitle("Collapse survival per arm (rules: moe_lab/health.py)")
+    fig.suptitle("Collapse survival per arm (rules: moe_lab/rl/health.py)")
     return fig
 
 

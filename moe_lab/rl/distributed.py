@@ -5,7 +5,7 @@ locally, and the minibatch updates all-reduce gradients through DDP (gloo on CPU
 gathers the metrics and alone writes the table, the evaluations and the checkpoints of DIR.
 
 The table does not depend on the world size: per-group seeds, group-local minibatches and the exact
-combination of the ranks' metrics are ``moe_lab.dp_split``'s (its docstring says how).
+combination of the ranks' metrics are ``moe_lab.rl.dp_split``'s (its docstring says how).
 The rest of the run is train.py's, through its helpers: the lag queue of ``rl.rollout_lag`` (every rank
 keeps the same one, the checkpoint saves it), ``rl.train_dtype`` (inside step.update), the collapse rules
 and the manifest's ``collapsed_at`` / ``collapse_rule`` (advanced on the same global rows on every rank).
@@ -41,18 +41,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_lab import checkpoint
+from moe_lab.rl import checkpoint
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, dump_yaml, from_dict, load_yaml, validate
-from moe_lab.dp_split import (check_data_parallel, combine_metrics, group_minibatch_indices, group_seed,
+from moe_lab.rl.dp_split import (check_data_parallel, combine_metrics, group_minibatch_indices, group_seed,
                               join_step_data, rank_groups)
-from moe_lab.runlog import FINISHED
+from moe_lab.rl.runlog import FINISHED
 
 # ----------------------------------------------------------------------------- the data-parallel step
 
 def _collect_groups(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str],
                     groups: range):
     """Roll out this rank's groups one by one, each under its own seed; per-group metrics for the gather."""
-    from moe_lab.step import collect
+    from moe_lab.rl.step import collect
 
     parts, group_metrics = [], []
     for gi in groups:
@@ -67,7 +67,7 @@ def _collect_groups(policy, rollout_policy, ref_model, task, cfg: RunConfig, ste
 def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int,
             prompts: list[str], first_update: int, rank: int, world: int) -> list[dict]:
     """One RL step over all ranks; every rank returns the same global rows (one per update)."""
-    from moe_lab.step import update
+    from moe_lab.rl.step import update
 
     t0 = time.perf_counter()
     groups = rank_groups(len(prompts), rank, world)
@@ -167,7 +167,7 @@ def _on_rank0_first(fn):
 
 
 def _resume_state(run_dir: Path, policy, optimizer, world: int):
-    from moe_lab.train import TrainState
+    from moe_lab.rl.loop import TrainState
 
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer)
     if state is None:
@@ -183,9 +183,9 @@ def _resume_state(run_dir: Path, policy, optimizer, world: int):
 
 def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default") -> str:
     """Run (or resume) one run over the process group; rank 0 writes run_dir. Returns the final status."""
-    from moe_lab import train as T
-    from moe_lab.runlog import STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, machine_info
-    from moe_lab.runner import quiet_transformers
+    from moe_lab.rl import loop as T
+    from moe_lab.rl.runlog import STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, machine_info
+    from moe_lab.launch.runner import quiet_transformers
 
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg)
@@ -228,8 +228,8 @@ def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str 
 def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir: Path,
           rank: int, world: int, lagged: collections.deque, run_health) -> str:
     """train._loop's step loop over the process group (same lag queue, health rules and checkpoints)."""
-    from moe_lab import train as T
-    from moe_lab.step import updates_per_step
+    from moe_lab.rl import loop as T
+    from moe_lab.rl.step import updates_per_step
 
     eval_prompts = task.eval_prompts()
     for step in range(state.step, cfg.rl.steps):
