@@ -207,10 +207,3 @@ def _progress(steps, enabled: bool, label: str):
 
     return tqdm(steps, desc=label, leave=False)
 
-
-if __name__ == "__main__":  # torchrun [--nproc-per-node N] -m moe_lab.train RUN.yaml --out DIR
-    import sys
-
-    from moe_lab.rl.distributed import main
-
-    sys.exit(main())
