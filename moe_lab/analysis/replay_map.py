@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.analysis.results import _check_columns, mean_ci, t_quantile_975
-from moe_lab.analysis.stability import _with_labels
+from moe_lab.analysis.tables import check_columns, mean_ci, t_quantile_975
+from moe_lab.analysis.stability import with_labels
 
 SHARE = "ratio/routing_share"
 REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay
@@ -58,9 +58,9 @@ def replay_map_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, referen
     t-interval over seeds), gap = mean final greedy accuracy of the treatment minus the reference's, with
     gap_lo/gap_hi (Welch 95%), acc_ref, acc_treat, n_ref, n_treat. A factors design's shared base cells
     ('<arm>__base') are one setting of their own (factor 'base'): each setting appears once on the map."""
-    _check_columns(metrics_df, ["arm", "seed", "step"], "metrics_df")
-    _check_columns(eval_df, ["arm", "seed", "step", "eval/acc_greedy"], "eval_df")
-    m, e = (_with_labels(f) for f in (metrics_df, eval_df))
+    check_columns(metrics_df, ["arm", "seed", "step"], "metrics_df")
+    check_columns(eval_df, ["arm", "seed", "step", "eval/acc_greedy"], "eval_df")
+    m, e = (with_labels(f) for f in (metrics_df, eval_df))
     m, e = (f.assign(factor=f["factor"].fillna("-"), level=f["level"].fillna("-")) for f in (m, e))
     runs = _per_run(m, e, ["factor", "level", "arm_base"])
     rows = []

@@ -118,12 +118,12 @@ class RayCells:
         return f"Ray cluster {self.address or 'local'} ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
     def run(self, todo: list[Cell], runs_dir: Path, setups: list, progress: bool) -> dict[str, str]:
-        from moe_lab.launch.runner import _coldstart_worker, _train_worker
+        from moe_lab.launch.runner import coldstart_worker, train_worker
 
         ray = connect(self.address)
-        cold = ray.remote(_coldstart_worker)
+        cold = ray.remote(coldstart_worker)
         ray.get([cold.options(max_retries=self.max_retries, **_resources(cfg)).remote(cfg) for cfg in setups])
-        task = ray.remote(_train_worker)
+        task = ray.remote(train_worker)
         pending = {task.options(max_retries=self.max_retries, **_resources(c.config)).remote(c, str(runs_dir / c.run_id)): c
                    for c in todo}
         return _wait_all(ray, pending, runs_dir, len(todo), progress)

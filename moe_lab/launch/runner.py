@@ -114,7 +114,7 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _coldstart_worker(cfg) -> str:
+def coldstart_worker(cfg) -> str:
     import torch
 
     from moe_lab.rl.coldstart import cold_start
@@ -124,7 +124,7 @@ def _coldstart_worker(cfg) -> str:
     return str(cold_start(cfg, progress=False))
 
 
-def _train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
+def train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
     """(run_id, status); status 'locked' when another runner holds the folder (nothing is written then)."""
     from moe_lab.rl.runlog import RunLog
     from moe_lab.rl.loop import run_info, train
@@ -293,9 +293,9 @@ def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: b
     try:
         if backend is not None:
             return backend.run(todo, runs_dir, _distinct_setups(todo), progress)
-        _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
+        _run_parallel(coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
         items = [(c, str(runs_dir / c.run_id)) for c in todo]
-        return dict(_run_parallel(_train_worker, items, jobs, "runs", progress))
+        return dict(_run_parallel(train_worker, items, jobs, "runs", progress))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the bookkeeping short
         try:
