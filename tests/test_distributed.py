@@ -296,7 +296,7 @@ def test_overrides_may_follow_out(tmp_path):
 def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0, old_copy: bool = False):
     """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1.
 
-    old_copy: as collect() under old_forward + R3: old_trace is a copy of the rollout trace carrying the old
+    old_copy: as collect() under old_forward + R3: ref_trace is a copy of the rollout trace carrying the old
     router's log-probs, the forced trace the rollout trace itself, and rollout-correction weights are set.
     """
     import torch
@@ -324,13 +324,16 @@ def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 
 
 def test_joined_groups_keep_every_token_at_its_place():
     """Groups of other prompt and response lengths: prompts left-padded, responses right-padded, masks off."""
+    import torch
+
     from moe_lab.rl.distributed import join_step_data
 
     parts = [_group_data(3, 4, seed=1), _group_data(5, 2, seed=2)]
     joined = join_step_data(parts, pad_token_id=0, replay="rollout")
     b = joined.batch
     assert b.input_ids_BS.shape == (4, 5 + 4) and joined.logp_old_BT.shape == (4, 8)
-    assert joined.old_trace is b.trace and joined.forced_trace is b.trace  # identities update() relies on
+    assert joined.forced_trace is b.trace  # R3 forces the joined rollout trace; the reference holds its values
+    assert torch.equal(joined.ref_trace.indices, b.trace.indices) and torch.equal(joined.ref_trace.weights, b.trace.weights)
     for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
         i = r % 2
         S, T = d.batch.input_ids_BS.shape[1], d.logp_old_BT.shape[1]
@@ -353,12 +356,12 @@ def test_joined_groups_keep_router_logp_and_rollout_weights(replay):
     parts = [_group_data(3, 4, seed=1, old_copy=True), _group_data(5, 2, seed=2, old_copy=True)]
     joined = join_step_data(parts, pad_token_id=0, replay=replay)
     b = joined.batch
-    assert joined.old_trace is not b.trace and b.trace.router_logp_LBTK is None
-    assert joined.forced_trace is {"none": None, "old": joined.old_trace, "rollout": b.trace}[replay]
+    assert joined.ref_trace is not b.trace and b.trace.router_logp_LBTK is None
+    assert joined.forced_trace is {"none": None, "old": joined.ref_trace, "rollout": b.trace}[replay]
     assert joined.is_weights_BT.shape == joined.logp_old_BT.shape
     for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
         i, T = r % 2, d.logp_old_BT.shape[1]
-        assert (joined.old_trace.router_logp_LBTK[:, r, left:left + T] == d.old_trace.router_logp_LBTK[:, i]).all()
-        assert (joined.old_trace.indices[:, r, left:left + T] == d.old_trace.indices[:, i]).all()
+        assert (joined.ref_trace.router_logp_LBTK[:, r, left:left + T] == d.ref_trace.router_logp_LBTK[:, i]).all()
+        assert (joined.ref_trace.indices[:, r, left:left + T] == d.ref_trace.indices[:, i]).all()
         assert (joined.is_weights_BT[r, left:left + T] == d.is_weights_BT[i]).all()
         assert (joined.is_weights_BT[r][~b.response_mask_BT[r]] == 0).all()

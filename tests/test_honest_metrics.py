@@ -96,7 +96,7 @@ def test_clamp_keeps_a_finite_gradient_where_exp_would_overflow():
 
 def test_mismatch_k3_estimates_kl_rollout_to_train_not_the_reverse():
     """Samples come from the rollout policy: the mean of exp(-δ) + δ - 1 must converge to KL(rollout || train)."""
-    from moe_lab.rl.step import _mismatch_metrics
+    from moe_lab.rl.collect import _mismatch_metrics
 
     p_roll = torch.tensor([0.9, 0.05, 0.03, 0.02], dtype=torch.float64)
     p_train = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)

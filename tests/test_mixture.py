@@ -173,7 +173,7 @@ def test_cold_start_learns_the_mixture(tmp_path):
 
 def test_task_metrics_split_the_reward_by_sub_task_and_measure_task_specialization():
     from moe_lab.routing import Trace
-    from moe_lab.rl.step import _task_metrics
+    from moe_lab.rl.collect import _task_metrics
 
     task = mixture()
     prompts = [p for i in range(3) for p in task._tagged(i, ["1234"] * 2)]  # two prompts of each sub-task

@@ -93,9 +93,9 @@ def test_r2_logged_d_route_equals_an_independent_free_routing_recomputation(tmp_
     with torch.no_grad():
         with record(probe) as free_trace:
             free = token_logprobs(forward_logits(probe, ids, attn).logits, ids)
-        with replay(probe, data.old_trace[idx_B]):
+        with replay(probe, data.ref_trace[idx_B]):
             ref = token_logprobs(forward_logits(probe, ids, attn).logits, ids)
-    assert (free_trace.indices != data.old_trace[idx_B].indices).any(), "the perturbation moved no routing"
+    assert (free_trace.indices != data.ref_trace[idx_B].indices).any(), "the perturbation moved no routing"
     want = _numpy_decomposition(free.numpy(), ref.numpy(), data.logp_old_BT[idx_B].numpy(), mask.numpy(), 0.2, 0.27)
     assert want["ratio/d_route_var"] > 1e-6  # routing moved the log-probs: the test can tell terms apart
     for key in DECOMP_KEYS:

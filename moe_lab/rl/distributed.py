@@ -6,9 +6,10 @@ gathers the metrics and alone writes the table, the evaluations and the checkpoi
 
 The table does not depend on the world size: per-group seeds, group-local minibatches and the exact
 combination of the ranks' metrics are ``moe_lab.rl.dp_split``'s (its docstring says how).
-The rest of the run is train.py's, through its helpers: the lag queue of ``rl.rollout_lag`` (every rank
-keeps the same one, the checkpoint saves it), ``rl.train_dtype`` (inside step.update), the collapse rules
-and the manifest's ``collapsed_at`` / ``collapse_rule`` (advanced on the same global rows on every rank).
+The rest of the run is the one loop of moe_lab.rl.loop, which ``DataParallel`` plugs into: the lag queue of
+``rl.rollout_lag`` (every rank keeps the same one, the checkpoint saves it), ``rl.train_dtype`` (inside
+step.update), the collapse rules and the manifest's ``collapsed_at`` / ``collapse_rule`` (advanced on the same
+global rows on every rank).
 Sums are reordered by the split (and matmuls see other batch shapes), so 1 and N ranks agree to float
 rounding (~1e-6 relative), not bit for bit. Refused (one line each): ``rl.loss_agg=token-mean`` (a mean of
 per-rank token means is not the global token mean), ``rl.whiten=batch`` (not group-local), a prompt count
@@ -29,99 +30,118 @@ of step ``MOE_LAB_TEST_NAN_STEP`` (default 0), as if its loss alone had overflow
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import math
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe_lab.rl import checkpoint
-from moe_lab.config import ConfigError, RunConfig, apply_overrides, dump_yaml, from_dict, load_yaml, validate
-from moe_lab.rl.dp_split import (check_data_parallel, combine_metrics, group_minibatch_indices, group_seed,
-                              join_step_data, rank_groups)
+from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, load_yaml, validate
+from moe_lab.rl import checkpoint, seeds
+from moe_lab.rl.dp_split import (check_data_parallel, combine_metrics, group_minibatch_indices, join_step_data,
+                                 rank_groups)
+from moe_lab.rl.loop import TrainState, train
 from moe_lab.rl.runlog import FINISHED
+from moe_lab.rl.collect import collect
 
-# ----------------------------------------------------------------------------- the data-parallel step
+# ----------------------------------------------------------------------------- the split of a process group
 
-def _collect_groups(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str],
-                    groups: range):
-    """Roll out this rank's groups one by one, each under its own seed; per-group metrics for the gather."""
-    from moe_lab.rl.step import collect
+class DataParallel:
+    """What a process group adds to the one loop (moe_lab.rl.loop.train) and step (step.rl_step): setup on
+    rank 0 first, the world-size check of a resume, the batch split (per-group seeds, group-local
+    minibatches), the exact reduction of the ranks' metrics, and barriers. Rank 0 alone writes."""
 
-    parts, group_metrics = [], []
-    for gi in groups:
-        torch.manual_seed(group_seed(cfg.seed, step, gi))
-        data = collect(policy, rollout_policy, ref_model, task, cfg, step, [prompts[gi]])
-        parts.append(data)
-        group_metrics.append((data.batch_metrics, float(cfg.rl.group_size),
-                              float(data.batch.response_mask_BT.sum())))
-    return join_step_data(parts, task.tokenizer.pad_token_id, cfg.rl.replay), group_metrics
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.writer = self.rank == 0
+        self.ddp_policy = None
 
+    def check(self, cfg: RunConfig) -> None:
+        check_data_parallel(cfg, self.world)
+        from transformers.utils import logging as hf_logging  # a progress bar per checkpoint load: noise
 
-def dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int,
-            prompts: list[str], first_update: int, rank: int, world: int) -> list[dict]:
-    """One RL step over all ranks; every rank returns the same global rows (one per update)."""
-    from moe_lab.rl.step import update
+        hf_logging.disable_progress_bar()
 
-    t0 = time.perf_counter()
-    groups = rank_groups(len(prompts), rank, world)
-    data, group_metrics = _collect_groups(policy, rollout_policy, ref_model, task, cfg, step, prompts, groups)
-    all_groups = _all_gather(group_metrics)
-    batch_metrics = combine_metrics([g for per_rank in all_groups for g in per_rank])
-    for k in [k for k in batch_metrics if k.startswith("perf/")]:  # a rank's groups run one after another
-        batch_metrics[k] = max(sum(g[0][k] for g in per_rank) for per_rank in all_groups)
-    mask = data.batch.response_mask_BT
-    local_rows = []
-    for epoch, m, u, idx_B in _schedule(groups, cfg, step, first_update):
-        metrics = _test_nan(update(ddp_policy, ref_model, optimizer, data, idx_B, cfg, step, u), rank, step, u,
-                            first_update)
-        local_rows.append(((epoch, m, u), (metrics, float(len(idx_B)), float(mask[idx_B].sum()))))
-        if not _finite_on_all_ranks(metrics, policy.device):
-            break
-    all_rows = _all_gather(local_rows)
-    n_updates = min(len(r) for r in all_rows)
-    wall = time.perf_counter() - t0
-    tokens = sum(g[2] for per_rank in all_groups for g in per_rank)
-    rows = []
-    for i in range(n_updates):
-        (epoch, m, u), _ = all_rows[0][i]
-        metrics = combine_metrics([r[i][1] for r in all_rows])
-        rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics,
-                     "perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
-    return rows
+    def setup(self, claim, setup):
+        """The claim and the cold start on rank 0 while the others wait; then every rank loads the model."""
+        result = _on_rank0_first(lambda: (claim(), setup())[1])
+        return result if self.rank == 0 else setup()
 
+    def resume_state(self, run_dir: Path, policy, optimizer) -> TrainState:
+        state = _resume_state(run_dir, policy, optimizer, self.world)
+        device_ids = [policy.device.index] if policy.device.type == "cuda" else None
+        # unselected experts get no gradient in a step: DDP must look for unused parameters
+        self.ddp_policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=device_ids,
+                                                                    find_unused_parameters=True)
+        self.ddp_policy.train(False)
+        return state
 
-def _finite_on_all_ranks(metrics: dict, device: torch.device) -> bool:
-    """Whether every rank's update had a finite loss and gradient norm: one all-reduced flag, so that every
-    rank stops the step's updates at the same one."""
-    local = math.isfinite(metrics["loss"]) and math.isfinite(metrics["optim/grad_norm"])
-    flag = torch.tensor([0.0 if local else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return float(flag.item()) == 0.0
+    def broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
+    def barrier(self) -> None:
+        dist.barrier()
 
-def _test_nan(metrics: dict, rank: int, step: int, update_idx: int, first_update: int) -> dict:
-    """Tests only: MOE_LAB_TEST_NAN_RANK=r gives rank r a NaN loss at the first update of step
-    MOE_LAB_TEST_NAN_STEP (default 0); unset (always, outside tests) it returns metrics untouched."""
-    nan_rank = os.environ.get("MOE_LAB_TEST_NAN_RANK")
-    if nan_rank is None or int(nan_rank) != rank or update_idx != first_update \
-            or step != int(os.environ.get("MOE_LAB_TEST_NAN_STEP", "0")):
-        return metrics
-    return {**metrics, "loss": math.nan}
+    def manifest_extra(self) -> dict:
+        return {"world_size": self.world}
 
+    def trained(self, policy):
+        return self.ddp_policy
 
-def _schedule(groups: range, cfg: RunConfig, step: int, first_update: int):
-    """(epoch, minibatch, update index, local idx_B) of every update of one step, in step._schedule's order."""
-    rl = cfg.rl
-    for epoch in range(rl.epochs):
-        for m, idx_B in enumerate(group_minibatch_indices(groups, rl.group_size, rl.minibatches, cfg.seed, step, epoch)):
-            yield epoch, m, first_update + epoch * rl.minibatches + m, idx_B
+    def collect(self, policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]):
+        """This rank's groups, each rolled out under its own seed; the batch metrics of all ranks' groups."""
+        parts, group_metrics = [], []
+        for gi in rank_groups(len(prompts), self.rank, self.world):
+            torch.manual_seed(seeds.group_seed(cfg.seed, step, gi))
+            data = collect(policy, rollout_policy, ref_model, task, cfg, step, [prompts[gi]])
+            parts.append(data)
+            group_metrics.append((data.batch_metrics, float(cfg.rl.group_size),
+                                  float(data.batch.response_mask_BT.sum())))
+        all_groups = _all_gather(group_metrics)
+        batch_metrics = combine_metrics([g for per_rank in all_groups for g in per_rank])
+        for k in [k for k in batch_metrics if k.startswith("perf/")]:  # a rank's groups run one after another
+            batch_metrics[k] = max(sum(g[0][k] for g in per_rank) for per_rank in all_groups)
+        tokens = sum(g[2] for per_rank in all_groups for g in per_rank)
+        return join_step_data(parts, task.tokenizer.pad_token_id, cfg.rl.replay), batch_metrics, tokens
+
+    def schedule(self, data, cfg: RunConfig, step: int, first_update: int):
+        """(epoch, minibatch, update index, local idx_B), in SingleProcess.schedule's order."""
+        rl, groups = cfg.rl, rank_groups(cfg.rl.prompts_per_step, self.rank, self.world)
+        for epoch in range(rl.epochs):
+            for m, idx_B in enumerate(group_minibatch_indices(groups, rl.group_size, rl.minibatches, cfg.seed,
+                                                              step, epoch)):
+                yield epoch, m, first_update + epoch * rl.minibatches + m, idx_B
+
+    def checked(self, metrics: dict, step: int, update_idx: int, first_update: int) -> dict:
+        """Tests only: MOE_LAB_TEST_NAN_RANK=r gives rank r a NaN loss at the first update of step
+        MOE_LAB_TEST_NAN_STEP (default 0); unset (always, outside tests) it returns metrics untouched."""
+        nan_rank = os.environ.get("MOE_LAB_TEST_NAN_RANK")
+        if nan_rank is None or int(nan_rank) != self.rank or update_idx != first_update \
+                or step != int(os.environ.get("MOE_LAB_TEST_NAN_STEP", "0")):
+            return metrics
+        return {**metrics, "loss": math.nan}
+
+    def all_finite(self, metrics: dict, device: torch.device) -> bool:
+        """Whether every rank's update had a finite loss and gradient norm: one all-reduced flag, so that every
+        rank stops the step's updates at the same one."""
+        local = math.isfinite(metrics["loss"]) and math.isfinite(metrics["optim/grad_norm"])
+        flag = torch.tensor([0.0 if local else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag.item()) == 0.0
+
+    def reduce(self, updates: list, data) -> list[tuple[tuple, dict]]:
+        """Every rank's updates, combined into the global metrics; as many as the rank that stopped first."""
+        mask = data.batch.response_mask_BT
+        local = [(key, (metrics, float(len(idx_B)), float(mask[idx_B].sum()))) for key, metrics, idx_B in updates]
+        all_rows = _all_gather(local)
+        n_updates = min(len(r) for r in all_rows)
+        return [(all_rows[0][i][0], combine_metrics([r[i][1] for r in all_rows])) for i in range(n_updates)]
 
 
 def _all_gather(obj) -> list:
@@ -166,9 +186,7 @@ def _on_rank0_first(fn):
     return result
 
 
-def _resume_state(run_dir: Path, policy, optimizer, world: int):
-    from moe_lab.rl.loop import TrainState
-
+def _resume_state(run_dir: Path, policy, optimizer, world: int) -> TrainState:
     state = checkpoint.load(run_dir / "checkpoint", policy, optimizer)
     if state is None:
         return TrainState(extra={"world_size": world})
@@ -183,82 +201,7 @@ def _resume_state(run_dir: Path, policy, optimizer, world: int):
 
 def train_data_parallel(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default") -> str:
     """Run (or resume) one run over the process group; rank 0 writes run_dir. Returns the final status."""
-    from moe_lab.rl import loop as T
-    from moe_lab.rl.runlog import STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, machine_info
-    from moe_lab.launch.runner import quiet_transformers
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    validate(cfg)
-    check_data_parallel(cfg, world)
-    quiet_transformers()
-    torch.set_num_threads(cfg.threads)
-    run_dir = Path(run_dir)
-    setup = _on_rank0_first(lambda: (T._claim(run_dir, dump_yaml(cfg)), T._setup(cfg, False))[1])
-    task, policy, rollout_policy, ref_model, optimizer = setup if rank == 0 else T._setup(cfg, False)
-    state = _resume_state(run_dir, policy, optimizer, world)
-    device_ids = [policy.device.index] if policy.device.type == "cuda" else None
-    # unselected experts get no gradient in a step: DDP must look for unused parameters
-    ddp_policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=device_ids,
-                                                           find_unused_parameters=True)
-    ddp_policy.train(False)
-    # every rank reads the lag queue of the shared checkpoint: ranks hold the same weights, hence the same queue
-    lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
-    log = RunLog(run_dir, T.run_info(cfg, run_id, arm)) if rank == 0 else None
-    if log:
-        log.load(state.rows, state.eval_rows)
-    # the health after the logged rows: only rank 0 holds them; from then on every rank advances it on the
-    # same global rows, so all ranks stop at the same step
-    health_box = [T._health(cfg, log) if log else None]
-    dist.broadcast_object_list(health_box, src=0)
-    run_health = health_box[0]
-    if log:
-        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, world_size=world, machine=machine_info(),
-                           **run_health.manifest())
-    reason = _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir,
-                   rank, world, lagged, run_health)
-    status = STATUS_COLLAPSED if reason else STATUS_DONE  # as train(): every stop reason is a collapse rule's
-    if log:
-        log.flush()
-        log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, world_size=world,
-                           machine=machine_info(), **T._health(cfg, log).manifest())
-    dist.barrier()
-    return status
-
-
-def _loop(cfg, task, ddp_policy, policy, rollout_policy, ref_model, optimizer, log, state, run_dir: Path,
-          rank: int, world: int, lagged: collections.deque, run_health) -> str:
-    """train._loop's step loop over the process group (same lag queue, health rules and checkpoints)."""
-    from moe_lab.rl import loop as T
-    from moe_lab.rl.step import updates_per_step
-
-    eval_prompts = task.eval_prompts()
-    for step in range(state.step, cfg.rl.steps):
-        t0 = time.perf_counter()
-        if log and step % cfg.rl.eval_every == 0:
-            log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, step))
-        snapshot = T._snapshot(policy) if cfg.rl.rollout_lag else None
-        T._sync_rollout_policy(policy, rollout_policy, lagged)
-        rows = dp_step(ddp_policy, policy, rollout_policy, ref_model, optimizer, task, cfg, step,
-                       T.step_prompts(task, cfg, step), step * updates_per_step(cfg), rank, world)
-        T._push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
-        state.wall_s += time.perf_counter() - t0
-        if log:
-            for r in rows:
-                log.add({**r, "perf/wall_s": state.wall_s})
-        state.step = step + 1
-        reason, run_health = T._failure(rows, run_health, cfg.rl)  # same rows on every rank: all stop together
-        if reason:
-            if log:  # as train._loop: the final accuracy is the stopped policy's
-                log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, state.step))
-            return reason
-        if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
-            if log:
-                if state.step == cfg.rl.steps:
-                    log.add_eval(T._evaluate(policy, task, eval_prompts, cfg, state.step))
-                state.rows, state.eval_rows = log.flush()
-                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
-            dist.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
-    return ""
+    return train(cfg, run_dir, run_id=run_id, arm=arm, progress=False, split=DataParallel())
 
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:

@@ -23,6 +23,7 @@ import math
 import torch
 
 from moe_lab.config import ConfigError, RunConfig
+from moe_lab.rl import seeds
 
 SEQ_WEIGHTED = {"loss", "clip_frac/seq", "ratio/seq_mean", "reward/mean", "reward/zero_var_groups",
                 "kl/ref_reward_penalty", "response/length_mean", "routing/aux_loss", "objective/seq_ratio_mean"}
@@ -56,11 +57,6 @@ def check_data_parallel(cfg: RunConfig, world: int) -> None:
                           "the single-process step only); allowed: none, old, rollout")
 
 
-def group_seed(seed: int, step: int, prompt_index: int) -> int:
-    """Sampling seed of one prompt group: the same on whichever rank the group lands."""
-    return (seed * 1_000_003 + step * 7919 + prompt_index * 104_729 + 12_345) % (2 ** 63)
-
-
 def rank_groups(n_prompts: int, rank: int, world: int) -> range:
     """Contiguous block of prompt indices of one rank: rank order = global batch order."""
     per = n_prompts // world
@@ -76,7 +72,7 @@ def group_minibatch_indices(group_indices, group_size: int, minibatches: int, se
     """
     parts: list[list[torch.Tensor]] = [[] for _ in range(minibatches)]
     for j, gi in enumerate(group_indices):
-        gen = torch.Generator().manual_seed(group_seed(seed, step, gi) + 999_983 + epoch * 1_009)
+        gen = seeds.group_shuffle_generator(seed, step, gi, epoch)
         for m, chunk in enumerate(torch.randperm(group_size, generator=gen).chunk(minibatches)):
             parts[m].append(chunk + j * group_size)
     return [torch.cat(p) for p in parts]
@@ -119,11 +115,11 @@ def _pad_trace(trace, left: int, right: int):
 def join_step_data(parts: list, pad_token_id: int, replay: str):
     """One StepData from the StepData of single prompt groups (left-pad prompts, right-pad responses).
 
-    ``replay``: the run's rl.replay, which decides the forced trace as in step.collect.
+    ``replay``: the run's rl.replay; ``step.replay_traces`` decides the forced trace, as in step.collect.
     """
     from moe_lab.rl.rollout import RolloutBatch
     from moe_lab.routing import Trace
-    from moe_lab.rl.step import StepData
+    from moe_lab.rl.collect import StepData, replay_traces
 
     if len(parts) == 1:
         return parts[0]
@@ -142,11 +138,8 @@ def join_step_data(parts: list, pad_token_id: int, replay: str):
         return Trace.cat([_pad_trace(t, l, r) for t, (l, r) in zip(traces, pads)])
 
     trace = cat_trace(lambda d: d.batch.trace)
-    # Keep collect()'s sharing, which update() relies on (`old_trace is forced_trace` under R2): old_trace is
-    # the rollout trace itself with old_logp=rollout, else its own (under R3 a copy carrying the old
-    # router's log-probs); the forced trace is one of the two, chosen by rl.replay as in collect().
-    old = trace if d0.old_trace is d0.batch.trace else cat_trace(lambda d: d.old_trace)
-    forced = {"none": None, "old": old, "rollout": trace}[replay]
+    # the reference joined on its own (when it is the rollout trace, a second copy of the same values)
+    forced, ref = replay_traces(replay, trace, cat_trace(lambda d: d.ref_trace))
     # right padding mimics generate(): pad tokens after EOS with attention 1 (never attended: causal)
     ids = torch.cat([_pad_cols(_pad_cols(d.batch.input_ids_BS, l, 0, pad_token_id), 0, r, pad_token_id)
                      for d, (l, r) in zip(parts, pads)])
@@ -160,7 +153,7 @@ def join_step_data(parts: list, pad_token_id: int, replay: str):
     # rollout-correction weights are 0 off the response mask (as rollout_correction returns them)
     is_weights = None if d0.is_weights_BT is None else cat(lambda d: d.is_weights_BT, 0.0)
     return StepData(batch, torch.cat([d.rewards_B for d in parts]), torch.cat([d.adv_B for d in parts]),
-                    cat(lambda d: d.logp_old_BT, 0.0), old, forced, {}, d0.norm_len, is_weights)
+                    cat(lambda d: d.logp_old_BT, 0.0), ref, forced, {}, d0.norm_len, is_weights)
 
 
 # ----------------------------------------------------------------------------- metrics across parts

@@ -5,6 +5,11 @@ A run never raises on a training pathology: NaN/inf and a collapsed reward end i
 that one bad cell never takes down a batch of runs. The manifest also records
 ``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/rl/health.py that fired (soft rules
 mark the run without stopping it unless rl.stop_on_collapse).
+
+This is the one loop of every run. A plain run (``moe-lab run``) goes through it with step.SingleProcess;
+torchrun (``python -m moe_lab.train``) with moe_lab.rl.distributed.DataParallel, which adds only what a
+process group needs: setup on rank 0 first, the world-size check of a resume, the batch split, the
+reduction of the ranks' metrics, and barriers. Only the writing process (rank 0) holds a run log.
 """
 
 from __future__ import annotations
@@ -15,20 +20,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from moe_lab.rl import checkpoint
-from moe_lab.rl import health
-from moe_lab.rl.coldstart import cold_start
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
+from moe_lab.rl import checkpoint, health, seeds
+from moe_lab.rl.coldstart import cold_start
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
-from moe_lab.routing import predictor
 from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
-                            machine_info)
-from moe_lab.rl.step import rl_step, updates_per_step
+                               machine_info)
+from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
+from moe_lab.routing import predictor
 from moe_lab.tasks import get_task, load_tokenizer
 
 
@@ -59,8 +62,7 @@ class TrainState:
 
 def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
     """Prompts of one step, a pure function of (seed, step): a resumed run draws the same ones."""
-    rng = np.random.default_rng([cfg.seed, step])
-    return task.sample_prompts(cfg.rl.prompts_per_step, rng)
+    return task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
 
 
 def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
@@ -94,7 +96,7 @@ def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) 
     # Own seeded RNG stream: how often we evaluate must not change the rollouts that follow.
     devices = [policy.device] if policy.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(cfg.seed * 1_000_003 + step + 7)
+        torch.manual_seed(seeds.eval_seed(cfg.seed, step))
         greedy = accuracy(policy, task, eval_prompts, greedy=True)
         sampled = accuracy(policy, task, eval_prompts, greedy=False, temperature=cfg.rl.temperature)
     return {"step": step, "eval/acc_greedy": greedy, "eval/acc_sampled": sampled,
@@ -145,58 +147,98 @@ def _setup(cfg: RunConfig, progress: bool):
     return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
 
 
-def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", progress: bool = False) -> str:
-    """Run (or resume) one RL run in run_dir; returns its final status."""
+class PlainRun(SingleProcess):
+    """The run-level part of a plain run: one process, which sets up, resumes and writes alone."""
+
+    writer = True
+
+    def check(self, cfg: RunConfig) -> None:
+        """Refuse what this split cannot run (a plain run runs every valid config)."""
+
+    def setup(self, claim, setup):
+        claim()
+        return setup()
+
+    def resume_state(self, run_dir: Path, policy, optimizer) -> TrainState:
+        return TrainState.from_dict(checkpoint.load(run_dir / "checkpoint", policy, optimizer))
+
+    def broadcast(self, obj):
+        """The writer's object on every process."""
+        return obj
+
+    def barrier(self) -> None:
+        """Every process waits here for the others."""
+
+    def manifest_extra(self) -> dict:
+        return {}
+
+
+def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", progress: bool = False,
+          split=None) -> str:
+    """Run (or resume) one RL run in run_dir; returns its final status. ``split``: PlainRun() by default,
+    moe_lab.rl.distributed.DataParallel under torchrun."""
+    split = split or PlainRun()
     validate(cfg)
+    split.check(cfg)
     torch.set_num_threads(cfg.threads)
     run_dir = Path(run_dir)
-    _claim(run_dir, dump_yaml(cfg))
-    log = RunLog(run_dir, run_info(cfg, run_id, arm))
-    task, policy, rollout_policy, ref_model, optimizer = _setup(cfg, progress)
-    torch.manual_seed(cfg.seed)  # after setup: loading or warming up the model may consume random numbers
-    state = TrainState.from_dict(checkpoint.load(run_dir / "checkpoint", policy, optimizer))
+    log = RunLog(run_dir, run_info(cfg, run_id, arm)) if split.writer else None
+    task, policy, rollout_policy, ref_model, optimizer = split.setup(lambda: _claim(run_dir, dump_yaml(cfg)),
+                                                                     lambda: _setup(cfg, progress))
+    torch.manual_seed(seeds.run_seed(cfg.seed))  # after setup: loading or warming up the model may draw numbers
+    state = split.resume_state(run_dir, policy, optimizer)
     lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
-    log.load(state.rows, state.eval_rows)
-    log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, machine=machine_info(),
-                       **_health(cfg, log).manifest())
-    reason = _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log, state, run_dir, progress, lagged)
+    if log:
+        log.load(state.rows, state.eval_rows)
+    # the health after the logged rows (only the writer holds them); from then on every process advances it
+    # on the same global rows, so that all stop at the same step
+    run_health = split.broadcast(_health(cfg, log) if log else None)
+    extra = split.manifest_extra()
+    if log:
+        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, machine=machine_info(),
+                           **run_health.manifest())
+    reason = _loop(cfg, task, (policy, rollout_policy, ref_model, optimizer), log, state, run_dir, run_health,
+                   lagged, split, _progress(range(state.step, cfg.rl.steps), progress, run_id))
     status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
-    log.flush()
-    log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, machine=machine_info(),
-                       **_health(cfg, log).manifest())
+    if log:
+        log.flush()
+        log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **extra, machine=machine_info(),
+                           **_health(cfg, log).manifest())
+    split.barrier()
     return status
 
 
-def _loop(cfg, task, policy, rollout_policy, ref_model, optimizer, log: RunLog, state: TrainState, run_dir: Path,
-          progress: bool, lagged: collections.deque) -> str:
+def _loop(cfg, task, models, log: RunLog | None, state: TrainState, run_dir: Path, run_health, lagged, split,
+          steps) -> str:
+    policy, rollout_policy, ref_model, optimizer = models
     eval_prompts = task.eval_prompts()
-    run_health = _health(cfg, log)
-    steps = range(state.step, cfg.rl.steps)
-    bar = _progress(steps, progress, log.info["run_id"])
-    for step in bar:
+    for step in steps:
         t0 = time.perf_counter()
-        if step % cfg.rl.eval_every == 0:
+        if log and step % cfg.rl.eval_every == 0:
             log.add_eval(_evaluate(policy, task, eval_prompts, cfg, step))
         snapshot = _snapshot(policy) if cfg.rl.rollout_lag else None
         _sync_rollout_policy(policy, rollout_policy, lagged)
         rows = rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg, step, step_prompts(task, cfg, step),
-                       first_update=step * updates_per_step(cfg))
+                       first_update=step * updates_per_step(cfg), split=split)
         _push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
         state.wall_s += time.perf_counter() - t0
-        for r in rows:
+        for r in rows if log else ():
             log.add({**r, "perf/wall_s": state.wall_s})
         state.step = step + 1
-        reason, run_health = _failure(rows, run_health, cfg.rl)
+        reason, run_health = _failure(rows, run_health, cfg.rl)  # the same rows on every process
         if reason:
             # The final accuracy of a stopped run must be the policy it stopped with, not its last
             # scheduled evaluation from before the collapse.
-            log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
+            if log:
+                log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
             return reason
         if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
-            if state.step == cfg.rl.steps:
-                log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
-            state.rows, state.eval_rows = log.flush()
-            checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
+            if log:
+                if state.step == cfg.rl.steps:
+                    log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
+                state.rows, state.eval_rows = log.flush()
+                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
+            split.barrier()  # no process runs ahead of a checkpoint it might have to resume from
     return ""
 
 
@@ -206,4 +248,3 @@ def _progress(steps, enabled: bool, label: str):
     from tqdm.auto import tqdm
 
     return tqdm(steps, desc=label, leave=False)
-

@@ -1,215 +1,30 @@
-"""One RL step, the same for every algorithm: rollout → rewards → old policy → minibatch updates.
+"""One RL step, the same for every algorithm: ``collect`` (moe_lab.rl.collect: rollout → rewards → old
+policy) → minibatch updates.
 
 The algorithm (``rl.algo``) is only an argument of ``policy_loss``; Routing Replay (``rl.replay``) only
-chooses which trace, if any, the update forwards are forced to follow. Nothing else branches.
+chooses which trace, if any, the update forwards are forced to follow (``collect.replay_traces``, the one
+place that reads the mode). Nothing else branches. ``rl_step`` runs one step over a batch split:
+``SingleProcess`` for a plain run, ``moe_lab.rl.distributed.DataParallel`` under torchrun.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-import zlib
-from dataclasses import dataclass
 
 import torch
 
 from moe_lab import constants as C
-from moe_lab.algos.advantages import group_advantages
-from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
-from moe_lab.rl.optim import set_lr
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
-from moe_lab.algos.rollout_correction import rollout_correction
-from moe_lab.rl.rollout import RolloutBatch, forward_logits, generate, token_entropy, token_logprobs
-from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, record, replay, router_gamma,
-                             router_logp_probe, router_shift, routing_confidence, routing_metrics, specialization)
+from moe_lab.config import RunConfig, resolved_clip
+from moe_lab.rl import seeds
+from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
+from moe_lab.rl.optim import set_lr
+from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
+from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
+                             router_logp_probe, router_shift, routing_metrics)
 from moe_lab.routing import predictor
-
-LN2 = math.log(2.0)
-DECOMP_SALT = 2_000_003  # noise generator of the decomposition's counterfactual forward: no training stream
-
-
-@dataclass
-class StepData:
-    """Everything the minibatch updates of one step read; fixed before the first update."""
-
-    batch: RolloutBatch
-    rewards_B: torch.Tensor
-    adv_B: torch.Tensor
-    logp_old_BT: torch.Tensor
-    old_trace: Trace | None  # routing that produced logp_old: the reference of routing/expert_change
-    forced_trace: Trace | None  # what replay forces in the updates (None: free routing)
-    batch_metrics: dict[str, float]
-    norm_len: int  # fixed length for seq-mean-token-sum-norm: the task's response budget, not the batch's T
-    is_weights_BT: torch.Tensor | None = None  # rollout-correction weights (rl.rollout_correction); None = off
-
-
-def _noise_gen(seed: int, step: int, salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + salt)
-
-
-# rl.rollout_router_noise's own stream, far from the trainer's salts (0, 1 + update index, 999_983 + ...).
-# The prompts' crc32 joins the seed: the data-parallel path collects group by group, and each group must
-# draw its own noise (the same for any world size), not a copy of its neighbour's.
-ROLLOUT_NOISE_SALT = 1 << 40
-
-
-def _rollout_noise_gen(cfg: RunConfig, step: int, prompts: list[str]) -> torch.Generator:
-    return _noise_gen(cfg.seed, step, ROLLOUT_NOISE_SALT + zlib.crc32("\n".join(prompts).encode("utf-8")))
-
-
-def train_precision(policy, cfg: RunConfig):
-    """Autocast of the trainer's forwards (old-policy pass and updates), as bf16 trainers run them.
-
-    Master weights and optimizer stay fp32 and token_logprobs upcasts the logits, so only the forward's
-    matmuls (router logits included) are bf16. float32: a no-op context, bit-identical to no context.
-    """
-    if cfg.rl.train_dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=policy.device.type, dtype=getattr(torch, cfg.rl.train_dtype))
-
-
-@torch.no_grad()
-def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace, Trace]:
-    """logp_old from a forward of the policy before any update: (logp_old, routing used, router's own choice).
-
-    Free routing is recorded (it is R2's trace). Under R3 this forward already follows the rollout's
-    routing, as the updates will: otherwise the first update's ratios would compare two routings and
-    be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
-    The routing used carries the old router's log-probs of its experts: the reference of routing/router_shift.
-    """
-    forced = batch.trace if cfg.rl.replay in ("rollout", "predictive") else None
-    with _routing_ctx(policy, forced, cfg, _noise_gen(cfg.seed, step, 0), router_logp=True) as handle, \
-            train_precision(policy, cfg):
-        logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
-    used, free = (handle, handle) if forced is None else (handle.used.with_router_logp(handle.router_logp_LBTK),
-                                                          handle.latent)
-    return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
-
-
-def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, free_trace) -> dict[str, float]:
-    """Rollout-vs-train mismatch: the sampler's log-probs and routing against the trainer's."""
-    mask = batch.response_mask_BT
-    d_BT = torch.where(mask, batch.logp_rollout_BT - logp_old_BT, torch.zeros_like(logp_old_BT))
-    # Samples come from the rollout policy: k3 with r = pi_train / pi_rollout = exp(-d) estimates
-    # KL(rollout || train) unbiasedly (Schulman's k3: (r - 1) - log r).
-    k3_BT = torch.exp(-d_BT) + d_BT - 1
-    out = {"mismatch/k3": float(masked_mean(k3_BT, mask)),
-           "mismatch/extreme_frac": float(masked_mean((d_BT.abs() > LN2).float(), mask))}
-    if batch.trace is not None and free_trace is not None:
-        out["mismatch/expert_change"] = routing_metrics(batch.trace, free_trace, mask, prefix="")["expert_change"]
-    return out
-
-
-def _reward_metrics(rewards_B: torch.Tensor, group_size: int, batch: RolloutBatch) -> dict[str, float]:
-    groups = rewards_B.view(-1, group_size)
-    return {"reward/mean": float(rewards_B.mean()), "reward/std": float(rewards_B.std(unbiased=False)),
-            "reward/zero_var_groups": float((groups.max(-1).values == groups.min(-1).values).float().mean()),
-            "response/length_mean": float(batch.response_len_B.float().mean()),
-            "response/length_max": float(batch.response_len_B.max())}
-
-
-def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int = 0) -> tuple[list[str], RolloutBatch]:
-    """Stage 1: group_size samples of every prompt, routing recorded (R3's trace); rl.rollout_router_noise
-    perturbs the sampler's routing only (an inference engine that routes differently from the trainer)."""
-    group_prompts = [p for p in prompts for _ in range(cfg.rl.group_size)]
-    noise = cfg.rl.rollout_router_noise
-    gen = _rollout_noise_gen(cfg, step, prompts) if noise else None
-    batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
-                     temperature=cfg.rl.temperature, record_routing=True, router_noise=noise, noise_generator=gen,
-                     predictive=cfg.rl.replay == "predictive")
-    return group_prompts, batch
-
-
-def _rewards(task, group_prompts: list[str], batch: RolloutBatch) -> torch.Tensor:
-    """Stage 2: the task's verifiable reward of every completion."""
-    return torch.tensor([task.reward(p, c) for p, c in zip(group_prompts, batch.completions)],
-                        dtype=torch.float32, device=batch.input_ids_BS.device)
-
-
-def _old_logp(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace | None, dict]:
-    """Stage 3: (logp_old, the routing that produced it, mismatch metrics): the old-policy forward, or the
-    sampler's own log-probs and routing (section 5.4), which have no mismatch to measure."""
-    if cfg.rl.old_logp == "rollout":
-        return batch.logp_rollout_BT, batch.trace, {}
-    logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
-    metrics = _mismatch_metrics(batch, logp_old_BT, free_trace)
-    metrics.update(routing_confidence(free_trace, batch.response_mask_BT))
-    return logp_old_BT, old_trace, metrics
-
-
-def _correction(batch: RolloutBatch, logp_old_BT: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor | None, dict]:
-    """Stage 4: rollout-correction weights pi_train/pi_rollout and their metrics; (None, {}) when off.
-    The config refuses a correction with old_logp=rollout (no gap to correct)."""
-    rl = cfg.rl
-    if rl.rollout_correction == "none":
-        return None, {}
-    is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
-                                             mode=rl.rollout_correction, upper=rl.rollout_correction_upper,
-                                             lower=rl.rollout_correction_lower)
-    return is_weights_BT, {key: float(value) for key, value in corr.items()}
-
-
-def _kl_reward(ref_model, batch: RolloutBatch, logp_old_BT: torch.Tensor, rewards_B: torch.Tensor,
-               cfg: RunConfig) -> tuple[torch.Tensor, dict]:
-    """Stage 5: rewards minus the per-sequence KL to the reference (rl.kl_mode=reward); unchanged otherwise."""
-    rl = cfg.rl
-    if ref_model is None or rl.kl_coef <= 0 or rl.kl_mode != "reward":
-        return rewards_B, {}
-    with torch.no_grad():
-        ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
-                                batch.input_ids_BS, rl.temperature)
-    kl_B = (kl_penalty(logp_old_BT, ref_BT, batch.response_mask_BT, rl.kl_kind)).sum(-1)
-    return rewards_B - rl.kl_coef * kl_B, {"kl/ref_reward_penalty": float(kl_B.mean())}
-
-
-def _advantages(rewards_B: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
-    """Stage 6: group-normalised advantages of the (possibly KL-penalised) rewards."""
-    rl = cfg.rl
-    return group_advantages(rewards_B, rl.group_size, std_normalize=rl.std_normalize, reward_clip=rl.reward_clip,
-                            adv_clip=rl.adv_clip, whiten=rl.whiten)
-
-
-def _task_metrics(task, group_prompts: list[str], rewards_B: torch.Tensor, old_trace: Trace | None,
-                  mask_BT: torch.Tensor) -> dict[str, float]:
-    """A task mixture's per-sub-task mean reward (before any KL penalty) and how far its experts specialise
-    by task (NMI of the sequence's task tag and the chosen experts); nothing for a single task."""
-    if not hasattr(task, "task_ids"):
-        return {}
-    ids_B = torch.tensor(task.task_ids(group_prompts), device=rewards_B.device)
-    out = {f"reward/mean_{sub.name}": float(rewards_B[ids_B == i].mean()) if bool((ids_B == i).any()) else math.nan
-           for i, sub in enumerate(task.subtasks)}
-    if old_trace is not None:
-        out.update(specialization(old_trace, ids_B, mask_BT, name="task_specialization"))
-    return out
-
-
-def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
-    """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages."""
-    t0 = time.perf_counter()
-    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts, step)
-    rewards_B = _rewards(task, group_prompts, batch)
-    t1 = time.perf_counter()
-    metrics = _reward_metrics(rewards_B, cfg.rl.group_size, batch)
-    logp_old_BT, old_trace, mismatch = _old_logp(policy, batch, cfg, step)
-    is_weights_BT, corr = _correction(batch, logp_old_BT, cfg)
-    rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, cfg)
-    adv_B = _advantages(rewards_B, cfg)
-    metrics.update({**mismatch, **corr, **kl, "perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
-    if old_trace is not None:  # token id at trace column t is input_ids[:, t] (forward_logits drops the last)
-        metrics.update(specialization(old_trace, batch.input_ids_BS[:, :old_trace.seq_len], batch.response_mask_BT))
-    metrics.update(_task_metrics(task, group_prompts, rewards_B, old_trace, batch.response_mask_BT))
-    forced = {"none": None, "old": old_trace, "rollout": batch.trace, "predictive": batch.trace}[cfg.rl.replay]
-    return StepData(batch, rewards_B, adv_B, logp_old_BT, old_trace, forced, metrics, task.max_new_tokens,
-                    is_weights_BT)
-
-
-def _routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator, router_logp: bool = False):
-    if forced is None:
-        return record(policy, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
-    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp,
-                  gate=cfg.rl.replay_gate, weights=cfg.rl.replay_gate_weights)
 
 
 class RouterShift:
@@ -312,10 +127,10 @@ def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | 
         return nan_decomposition()
     b = data.batch
     ids, attn = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B]
-    gen = _noise_gen(cfg.seed, step, DECOMP_SALT + update_idx)
+    gen = seeds.decomposition_generator(cfg.seed, step, update_idx)
     cuda = [logp_BT.device] if logp_BT.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
-            _routing_ctx(policy, ref if forced is None else None, cfg, gen), train_precision(policy, cfg):
+            routing_ctx(policy, ref if forced is None else None, cfg, gen), train_precision(policy, cfg):
         other_BT = token_logprobs(forward_logits(policy, ids, attn).logits, ids, cfg.rl.temperature)
     free_BT, ref_BT = (logp_BT, other_BT) if forced is None else (other_BT, logp_BT)
     return ratio_decomposition(free_BT, ref_BT, data.logp_old_BT[idx_B], b.response_mask_BT[idx_B],
@@ -328,16 +143,17 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     update's row of the results table)."""
     t0 = time.perf_counter()
     lr = set_lr(optimizer, cfg.rl, update_idx)
-    gen = _noise_gen(cfg.seed, step, 1 + update_idx)
+    gen = seeds.update_generator(cfg.seed, step, update_idx)
     optimizer.zero_grad(set_to_none=True)
     # backward runs inside the routing context: under gradient checkpointing the recomputed forward
     # must see the same forced routing.
+    # each sliced on its own (under R2 they are one trace: the same values, sliced twice)
     forced = data.forced_trace[idx_B] if data.forced_trace is not None else None
-    ref = None if data.old_trace is None else forced if data.old_trace is data.forced_trace else data.old_trace[idx_B]
+    ref = data.ref_trace[idx_B] if data.ref_trace is not None else None
     mask = data.batch.response_mask_BT[idx_B]
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
-    with _routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
+    with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
             loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
@@ -359,7 +175,7 @@ def minibatch_indices(n: int, minibatches: int, seed: int, step: int, epoch: int
 
     Epoch 0 keeps the salt of single-epoch runs, so rl.epochs=1 draws exactly the permutation it always did.
     """
-    perm = torch.randperm(n, generator=_noise_gen(seed, step, 999_983 + epoch * 1_009))
+    perm = torch.randperm(n, generator=seeds.shuffle_generator(seed, step, epoch))
     return list(perm.chunk(minibatches))  # CPU index tensors: valid for CPU and CUDA tensors alike
 
 
@@ -368,12 +184,40 @@ def updates_per_step(cfg: RunConfig) -> int:
     return cfg.rl.epochs * cfg.rl.minibatches
 
 
-def _schedule(n: int, cfg: RunConfig, step: int, first_update: int):
-    """(epoch, minibatch, update index, idx_B) of every update of one step, in order."""
-    mb = cfg.rl.minibatches
-    for epoch in range(cfg.rl.epochs):
-        for m, idx_B in enumerate(minibatch_indices(n, mb, cfg.seed, step, epoch)):
-            yield epoch, m, first_update + epoch * mb + m, idx_B
+class SingleProcess:
+    """The batch split of a plain run: one process holds the whole batch (its rollout sampled from torch's
+    global generator), minibatches are a seeded shuffle of it, and there is nothing to reduce.
+    ``moe_lab.rl.distributed.DataParallel`` supplies the same four methods (and the run-level ones of
+    ``moe_lab.rl.loop``) for a process group."""
+
+    def trained(self, policy):
+        """The module the updates run through (DDP's wrapper under torchrun)."""
+        return policy
+
+    def collect(self, policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int,
+                prompts: list[str]) -> tuple[StepData, dict, float]:
+        """The step's data, the batch-level metrics of its rows, and its response tokens (perf/tokens_per_s)."""
+        data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+        return data, data.batch_metrics, float(data.batch.response_len_B.sum())
+
+    def schedule(self, data: StepData, cfg: RunConfig, step: int, first_update: int):
+        """(epoch, minibatch, update index, idx_B) of every update of one step, in order."""
+        mb, n = cfg.rl.minibatches, data.batch.input_ids_BS.shape[0]
+        for epoch in range(cfg.rl.epochs):
+            for m, idx_B in enumerate(minibatch_indices(n, mb, cfg.seed, step, epoch)):
+                yield epoch, m, first_update + epoch * mb + m, idx_B
+
+    def checked(self, metrics: dict, step: int, update_idx: int, first_update: int) -> dict:
+        """An update's metrics as the split sees them (a test hook under torchrun)."""
+        return metrics
+
+    def all_finite(self, metrics: dict, device) -> bool:
+        """Whether the step's updates may go on: a finite loss and gradient norm (on every process)."""
+        return math.isfinite(metrics["loss"]) and math.isfinite(metrics["optim/grad_norm"])
+
+    def reduce(self, updates: list[tuple[tuple, dict, torch.Tensor]], data: StepData) -> list[tuple[tuple, dict]]:
+        """[((epoch, minibatch, update), metrics)] of the whole batch from this process's updates."""
+        return [(key, metrics) for key, metrics, _ in updates]
 
 
 @torch.no_grad()
@@ -386,21 +230,21 @@ def _pr2_observe(policy, data: StepData, cfg: RunConfig) -> predictor.Observatio
 
 
 def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
-            first_update: int) -> list[dict]:
-    """Collect one rollout batch and run epochs x minibatches updates; one row per update."""
+            first_update: int, split=None) -> list[dict]:
+    """Collect one rollout batch and run epochs x minibatches updates over ``split`` (default: the plain
+    run's ``SingleProcess``); one row per update, the same on every process."""
+    split = split or SingleProcess()
     t0 = time.perf_counter()
-    data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
-    observed = _pr2_observe(policy, data, cfg) if cfg.rl.replay == "predictive" else None
-    rows = []
-    n = data.batch.input_ids_BS.shape[0]
-    for epoch, m, u, idx_B in _schedule(n, cfg, step, first_update):
-        metrics = update(policy, ref_model, optimizer, data, idx_B, cfg, step, u)
-        rows.append({"step": step, "epoch": epoch, "minibatch": m, "update": u, **data.batch_metrics, **metrics})
-        if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["optim/grad_norm"]):
+    data, batch_metrics, tokens = split.collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+    observed = _pr2_observe(policy, data, cfg) if cfg.rl.replay == "predictive" else None  # refused under torchrun
+    trained, updates = split.trained(policy), []
+    for epoch, m, u, idx_B in split.schedule(data, cfg, step, first_update):
+        metrics = split.checked(update(trained, ref_model, optimizer, data, idx_B, cfg, step, u), step, u, first_update)
+        updates.append(((epoch, m, u), metrics, idx_B))
+        if not split.all_finite(metrics, policy.device):
             break
+    reduced = split.reduce(updates, data)
     pr2 = {} if observed is None else predictor.fit(policy, observed)  # learn this step's router drift
     wall = time.perf_counter() - t0
-    tokens = float(data.batch.response_len_B.sum())
-    for r in rows:
-        r.update({**pr2, "perf/step_s": wall, "perf/tokens_per_s": tokens / wall})
-    return rows
+    return [{"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics, **pr2,
+             "perf/step_s": wall, "perf/tokens_per_s": tokens / wall} for (epoch, m, u), metrics in reduced]
