@@ -16,6 +16,7 @@ import torch
 
 from moe_lab import constants as C
 from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
+from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.rl import seeds
@@ -82,13 +83,11 @@ def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: Run
     low, high = resolved_clip(rl)
     is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[idx_B]
     # router_gamma_BT: RSPO's router-shift weight; every other objective ignores it.
+    # the objective's own knobs: the rl.<prefix>_<field> fields its registry entry declares
+    knobs = {name: getattr(rl, name) for name in knob_names(rl.algo)}
     loss, metrics = policy_loss(logp_BT, data.logp_old_BT[idx_B], data.adv_B[idx_B], mask, algo=rl.algo,
                                 clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
-                                norm_len=data.norm_len, sapo_tau_pos=rl.sapo_tau_pos, sapo_tau_neg=rl.sapo_tau_neg,
-                                rspo_floor=rl.rspo_floor, router_gamma_BT=gamma_BT, is_weights_BT=is_weights_BT,
-                                dppo_ratio_cap=rl.dppo_ratio_cap, vespo_k_pos=rl.vespo_k_pos,
-                                vespo_lambda_pos=rl.vespo_lambda_pos, vespo_k_neg=rl.vespo_k_neg,
-                                vespo_lambda_neg=rl.vespo_lambda_neg)
+                                norm_len=data.norm_len, router_gamma_BT=gamma_BT, is_weights_BT=is_weights_BT, **knobs)
     metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
     if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
         with torch.no_grad():
