@@ -365,3 +365,21 @@ def test_joined_groups_keep_router_logp_and_rollout_weights(replay):
         assert (joined.ref_trace.indices[:, r, left:left + T] == d.ref_trace.indices[:, i]).all()
         assert (joined.is_weights_BT[r, left:left + T] == d.is_weights_BT[i]).all()
         assert (joined.is_weights_BT[r][~b.response_mask_BT[r]] == 0).all()
+
+
+def test_every_documented_metric_declares_its_reduction_and_an_undeclared_one_is_refused():
+    """Each metric's reduction across ranks is declared where it is made (its module's REDUCTIONS): every
+    row metric of docs/metrics.md has one, and a metric without one stops the combination, naming it."""
+    import re
+
+    from moe_lab.rl.dp_split import reduction_of, reductions
+
+    table = reductions()
+    documented = set(re.findall(r"^\| `([a-z_]+/[a-z_{}0-9/]+)`", (ROOT / "docs" / "metrics.md").read_text(), re.M))
+    row_metrics = {m.replace("{i}", "0") for m in documented if not m.startswith("eval/")}
+    assert len(row_metrics) > 40
+    for metric in sorted(row_metrics):
+        reduction_of(metric, table)  # raises KeyError when undeclared
+    part = ({"reward/mean": 1.0, "new/undeclared_metric": 2.0}, 8.0, 40.0)
+    with pytest.raises(KeyError, match="new/undeclared_metric"):
+        combine_metrics([part, part])

@@ -23,3 +23,13 @@ def variance_of(mean_key: str, weight: str) -> tuple[str, str, str]:
 def std_of(mean_key: str, weight: str) -> tuple[str, str, str]:
     """A standard deviation around ``mean_key``: combined as its variance."""
     return ("std", mean_key, weight)
+
+
+def covariance_of(mean_a: str, mean_b: str, weight: str) -> tuple[str, str, str, str]:
+    """A covariance of the metrics whose means are ``mean_a`` and ``mean_b``: the law of total covariance."""
+    return ("cov", mean_a, mean_b, weight)
+
+
+def share_of(part: str, other: str) -> tuple[str, str, str]:
+    """part / (part + other) of two combined metrics (0 when both are 0, as on one part; NaN if undefined)."""
+    return ("share", part, other)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lab.algos import reductions as R
 from moe_lab.algos.advantages import group_advantages
 from moe_lab.algos.losses import kl_penalty, masked_mean
 from moe_lab.algos.rollout_correction import rollout_correction
@@ -23,6 +24,14 @@ from moe_lab.rl.rollout import RolloutBatch, forward_logits, generate, token_log
 from moe_lab.routing import Trace, record, replay, routing_confidence, routing_metrics, specialization
 
 LN2 = math.log(2.0)
+# across ranks (moe_lab/algos/reductions.py), the metrics made here: rewards and lengths per sequence (a
+# sub-task's mean reward too, weighted by the part's sequences: exact when the parts hold equal shares of it)
+REDUCTIONS = {
+    "reward/mean": R.SEQ_MEAN, "reward/std": R.std_of("reward/mean", R.SEQ_MEAN), "reward/zero_var_groups": R.SEQ_MEAN,
+    "reward/mean_*": R.SEQ_MEAN, "response/length_mean": R.SEQ_MEAN, "response/length_max": R.MAX,
+    "mismatch/k3": R.TOKEN_MEAN, "mismatch/extreme_frac": R.TOKEN_MEAN, "mismatch/expert_change": R.TOKEN_MEAN,
+    "kl/ref_reward_penalty": R.SEQ_MEAN, "perf/rollout_s": R.SLOWEST, "perf/old_s": R.SLOWEST,
+}
 
 
 @dataclass

@@ -15,6 +15,7 @@ import time
 import torch
 
 from moe_lab import constants as C
+from moe_lab.algos import reductions as R
 from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
@@ -26,6 +27,15 @@ from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
                              router_logp_probe, router_shift, routing_metrics)
 from moe_lab.routing import predictor
+
+# across ranks (moe_lab/algos/reductions.py), the metrics of an update made here: the loss and the aux loss are
+# per-sequence means (seq-mean aggregations), the KL loss term only averaged (token-mean of a part: not exact)
+REDUCTIONS = {
+    "kl/ref": R.TOKEN_MEAN, "routing/aux_loss": R.SEQ_MEAN, "routing/expert_change_latent": R.TOKEN_MEAN,
+    "routing/replay_replace_frac": R.TOKEN_MEAN, "policy/entropy": R.TOKEN_MEAN, "loss": R.SEQ_MEAN,
+    "optim/grad_norm": R.SAME, "optim/lr": R.SAME, "perf/*": R.SLOWEST,
+    "step": R.SAME, "epoch": R.SAME, "minibatch": R.SAME, "update": R.SAME,  # a row's keys (rl_step)
+}
 
 
 class RouterShift:

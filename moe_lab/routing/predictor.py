@@ -31,8 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lab.algos import reductions as R
 from moe_lab.models import moe_layers
 from moe_lab.routing.hooks import Recorder, installed
+
+# across ranks: refitted from the whole batch after the updates (rl.replay=predictive is refused under torchrun)
+REDUCTIONS = {"pr2/*": R.SAME}
 
 Tensor = torch.Tensor
 HEAD = "pr2_head"  # buffer name on each router
