@@ -40,9 +40,9 @@ from typing import Any, Callable
 
 import torch
 
-from moe_lab.algos.objective_params import (DPPO_RATIO_CAP_DEFAULT, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT,  # noqa: F401
-                                            SAPO_TAU_POS_DEFAULT, VESPO_SHAPE_DEFAULT, DppoParams, NoParams,
-                                            RspoParams, SapoParams, VespoParams, check_knob)
+from moe_lab.algos.objective_params import (  # noqa: F401 - the defaults are re-exported
+    DPPO_RATIO_CAP_DEFAULT, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT, VESPO_SHAPE_DEFAULT,
+    DppoParams, NoParams, RspoParams, SapoParams, VespoParams, check_knob)
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 from moe_lab.algos.reductions import SEQ_MEAN, TOKEN_MEAN
 from moe_lab.constants import PAPER_CLIP
@@ -378,7 +378,8 @@ def make_params(algo: str, knobs: dict[str, Any]):
 
     Knobs of the other objectives are checked against their declarations too, then ignored; an unknown
     keyword is an error naming it."""
-    declared = {name: f for a, obj in OBJECTIVES.items() for name, f in zip(knob_names(a), dataclasses.fields(obj.params))}
+    declared = {name: f for a, obj in OBJECTIVES.items()
+                for name, f in zip(knob_names(a), dataclasses.fields(obj.params))}
     own = dict(zip(knob_names(algo), dataclasses.fields(OBJECTIVES[algo].params)))
     values = {}
     for name, value in knobs.items():

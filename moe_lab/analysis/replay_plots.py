@@ -11,10 +11,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab.analysis import replay_map
-from moe_lab.analysis import results
-from moe_lab.analysis import stability
-from moe_lab.analysis.plots import STEP, arms_to_draw, new_figure, arm_color, arm_label, arm_linestyle, band, curves, figure_legend, styled
+from moe_lab.analysis import replay_map, results, stability
+from moe_lab.analysis.plots import (STEP, arms_to_draw, new_figure, arm_color, arm_label, arm_linestyle, band,
+                                    curves, figure_legend, styled)
 
 
 def _setting_label(factor, level) -> str:

@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from moe_lab.analysis import stability
-from moe_lab.analysis.plots import (STEP, arms_to_draw, new_figure, positive_floor, arm_color, arm_label, arm_linestyle, arm_order,
-                           curves, figure_legend, styled)
+from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_linestyle, arm_order, arms_to_draw, curves,
+                                    figure_legend, new_figure, positive_floor, styled)
 
 # (arm_table column, axis label, log x)
 H2H_PANELS = (("acc_greedy", "final greedy accuracy", False),
