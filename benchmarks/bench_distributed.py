@@ -44,8 +44,8 @@ def dp_step_seconds(tmp: Path, nproc: int, steps: int) -> float:
 def grid_seconds(tmp: Path) -> tuple[float, float, int]:
     import ray
 
-    from moe_lab.ray_backend import run_experiment_ray
-    from moe_lab.runner import run_experiment
+    from moe_lab.launch.ray_backend import run_experiment_ray
+    from moe_lab.launch.runner import run_experiment
 
     exp = dict(SMOKE, base=apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp / 'cache'}"]))
     quiet = dict(progress=False, echo=lambda *_: None)

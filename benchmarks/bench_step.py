@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from moe_lab.config import RunConfig, apply_overrides, from_dict, resolved_clip, validate
-from moe_lab.losses import policy_loss
+from moe_lab.algos.losses import policy_loss
 from moe_lab.models import build_model
-from moe_lab.optim import build_optimizer
-from moe_lab.rollout import forward_logits, generate, token_logprobs
-from moe_lab.step import minibatch_indices, rl_step
+from moe_lab.rl.optim import build_optimizer
+from moe_lab.rl.rollout import forward_logits, generate, token_logprobs
+from moe_lab.rl.step import minibatch_indices, rl_step
 from moe_lab.tasks import get_task
 
 

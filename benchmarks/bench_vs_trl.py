@@ -31,7 +31,7 @@ from bench_step import bare_step, full_step  # noqa: E402
 
 from moe_lab.config import from_dict, resolved_clip, validate  # noqa: E402
 from moe_lab.models import build_model  # noqa: E402
-from moe_lab.optim import build_optimizer  # noqa: E402
+from moe_lab.rl.optim import build_optimizer  # noqa: E402
 from moe_lab.tasks import get_task  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from moe_lab.catalog import BUILTIN, builtin_names
+from moe_lab.launch.catalog import BUILTIN, builtin_names
 from moe_lab.config import ConfigError, RunConfig, field_table, load_yaml
 
 
@@ -78,16 +78,16 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def _run(exp: dict, out: str, args) -> int:
     backend = None
     if args.backend == "ray":
-        from moe_lab.ray_backend import RayCells
+        from moe_lab.launch.ray_backend import RayCells
 
         backend = RayCells(args.address, args.max_retries)
-    from moe_lab.runner import run_experiment
+    from moe_lab.launch.runner import run_experiment
 
     statuses = run_experiment(exp, Path(out), jobs=args.jobs, overrides=args.overrides, arms=_csv(args.arms),
                               seeds=_seeds(args.seeds), overwrite=args.overwrite, progress=not args.no_progress,
                               report_to=args.report_to, backend=backend)
     _print_summary(Path(out))
-    from moe_lab.runlog import FINISHED, STATUS_COLLAPSED
+    from moe_lab.rl.runlog import FINISHED, STATUS_COLLAPSED
 
     collapsed = [r for r, s in statuses.items() if s == STATUS_COLLAPSED]
     if collapsed:
@@ -100,7 +100,7 @@ def _run(exp: dict, out: str, args) -> int:
 
 
 def _print_summary(out: Path) -> None:
-    from moe_lab.results import format_summary, load_runs, summarize
+    from moe_lab.analysis.results import format_summary, load_runs, summarize
 
     metrics, evals = load_runs(out)
     if len(metrics):
@@ -114,7 +114,7 @@ def _plot(results: str, out: str | None, formats: str) -> int:
 
     Non-zero when nothing was plotted or when any run could not be read (after writing what could be).
     """
-    from moe_lab.figures import plot_folder
+    from moe_lab.analysis.figures import plot_folder
 
     paths, unreadable = plot_folder(Path(results), Path(out) if out else None, formats=formats)
     for p in paths:
@@ -206,7 +206,7 @@ def _main(argv: list[str]) -> int:
         if args.cmd == "plot":
             return _plot(args.results, args.out, args.format)
         if args.cmd == "list":
-            from moe_lab.catalog import catalog, format_catalog
+            from moe_lab.launch.catalog import catalog, format_catalog
 
             print(format_catalog(catalog()))
             return 0

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from moe_lab import constants as C
+from moe_lab import config_rules as rules
 from moe_lab.errors import ConfigError
 from moe_lab.yaml_io import load_yaml  # noqa: F401 - re-exported: callers read YAML through config
 
@@ -93,7 +94,7 @@ class ColdStartConfig:
 
 @dataclass
 class RLConfig:
-    algo: str = param("grpo", "policy objective (formulas: moe_lab/objectives.py)",
+    algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
                                 "rollout (R3: routing recorded during generation), predictive (R3 of a rollout routed "
@@ -179,7 +180,7 @@ class RLConfig:
     eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
     checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
     collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "
-                                     "the soft collapse rules watch (moe_lab/health.py)", ge=1)
+                                     "the soft collapse rules watch (moe_lab/rl/health.py)", ge=1)
     collapse_drop: float = param(0.5, "soft reward collapse: the reward's moving average stays below this "
                                       "fraction of its running best for rl.collapse_patience steps", gt=0.0, lt=1.0)
     collapse_patience: int = param(5, "consecutive steps below rl.collapse_drop x best before a "
@@ -290,65 +291,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     if rl.replay == "old" and rl.old_logp == "rollout":
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
-    _check_replay_options(rl)
+    rules.check_replay_options(rl)
     low, high = resolved_clip(rl)
     if not (0.0 <= low < (1.0 if rl.algo not in C.CLIP_LOW_UNBOUNDED else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
     if rl.dual_clip_c is not None and rl.algo not in C.PPO_CLIP_ALGOS:
         raise ConfigError(f"rl.dual_clip_c={rl.dual_clip_c}: applies to grpo and the gspo variants only, not "
                           f"rl.algo={rl.algo}; leave it None")
-    _check_rollout_correction(rl)
-    _check_mixture(cfg.task)
+    rules.check_rollout_correction(rl)
+    rules.check_mixture(cfg.task)
     return cfg
-
-
-def _check_mixture(task: TaskConfig) -> None:
-    if task.name != "mixture":
-        if task.mixture:
-            raise ConfigError(f"task.mixture={task.mixture!r} is set but task.name={task.name}; use task.name=mixture "
-                              "or leave task.mixture empty")
-        return
-    if len(set(task.mixture)) < 2 or len(set(task.mixture)) != len(task.mixture):
-        raise ConfigError(f"task.mixture={task.mixture!r}: task.name=mixture needs >= 2 distinct tasks of "
-                          f"{', '.join(C.SINGLE_TASKS)}")
-    if task.eval_size < len(task.mixture):
-        raise ConfigError(f"task.eval_size={task.eval_size}: a mixture of {len(task.mixture)} tasks needs "
-                          f">= {len(task.mixture)} (each sub-task holds out its share)")
-
-
-def _check_replay_options(rl: RLConfig) -> None:
-    if rl.replay == "none" and (rl.replay_gate > 0 or rl.replay_gate_weights):
-        raise ConfigError("rl.replay_gate/replay_gate_weights apply to replayed routing; set rl.replay=old or rollout, "
-                          "or leave them at 0/false")
-    if rl.replay_gate > 0 and rl.replay_gate_weights:
-        raise ConfigError(f"rl.replay_gate={rl.replay_gate} with rl.replay_gate_weights=true: a replaced expert has no "
-                          "recorded weight; use one or the other")
-    if rl.replay == "predictive" and (rl.rollout_dtype != "float32" or rl.rollout_lag):
-        raise ConfigError("rl.replay=predictive samples with the trained policy's predictor heads; it needs "
-                          "rl.rollout_dtype=float32 and rl.rollout_lag=0 (a separate rollout copy holds no heads)")
-    if rl.freeze_router and rl.router_lr_mult != 1.0:
-        raise ConfigError(f"rl.router_lr_mult={rl.router_lr_mult} with rl.freeze_router=true: a frozen router has no "
-                          "learning rate; leave router_lr_mult at 1.0")
-
-
-def _check_rollout_correction(rl: RLConfig) -> None:
-    mode = rl.rollout_correction
-    if mode == "none":
-        if rl.rollout_correction_upper is not None or rl.rollout_correction_lower is not None:
-            raise ConfigError("rl.rollout_correction_upper/lower are set but rl.rollout_correction=none; "
-                              "choose a mode (tis_token, tis_seq, mis_token, mis_seq, icepop) or leave them None")
-        return
-    if rl.old_logp == "rollout":
-        raise ConfigError(f"rl.rollout_correction={mode} needs rl.old_logp='old_forward' (with the rollout's own "
-                          "log-probs as logp_old there is no training-inference gap to correct)")
-    if mode.startswith("tis") and rl.rollout_correction_lower is not None:
-        raise ConfigError(f"rl.rollout_correction_lower={rl.rollout_correction_lower}: applies to mis_token, mis_seq "
-                          f"and icepop only, not {mode}; leave it None")
-    default_low, default_up = ROLLOUT_CORRECTION_BOUNDS[mode]
-    low = default_low if rl.rollout_correction_lower is None else rl.rollout_correction_lower
-    up = default_up if rl.rollout_correction_upper is None else rl.rollout_correction_upper
-    if low is not None and not low < up:
-        raise ConfigError(f"rl.rollout_correction_lower={low} must be < rl.rollout_correction_upper={up}")
 
 
 # --------------------------------------------------------------------------- dict / YAML / overrides

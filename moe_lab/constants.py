@@ -7,7 +7,7 @@ its name here too (and the config then accepts it).
 
 from __future__ import annotations
 
-# Policy objectives (moe_lab/objectives.py). PPO_CLIP_ALGOS: a clipped surrogate on a token or sequence
+# Policy objectives (moe_lab/algos/objectives.py). PPO_CLIP_ALGOS: a clipped surrogate on a token or sequence
 # ratio, dual clip allowed; the algorithms the clipped-surrogate properties and the golden file hold for.
 PPO_CLIP_ALGOS = ("grpo", "gspo", "gspo_token", "gspo_unnormalized")
 ALGOS = (*PPO_CLIP_ALGOS, "sapo", "cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl", "luspo", "vespo")
@@ -36,7 +36,7 @@ WHITEN_MODES = ("group", "batch")
 REPLAY_MODES = ("none", "old", "rollout", "predictive")
 OLD_LOGP_SOURCES = ("old_forward", "rollout")
 
-# Rollout correction (moe_lab/rollout_correction.py): (lower, upper) when the config leaves them None.
+# Rollout correction (moe_lab/algos/rollout_correction.py): (lower, upper) when the config leaves them None.
 # TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5.
 ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "tis_seq": (None, 2.0),
                              "mis_token": (None, 2.0), "mis_seq": (None, 2.0), "icepop": (0.5, 5.0)}

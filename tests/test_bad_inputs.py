@@ -111,7 +111,7 @@ def test_out_holding_another_experiment_is_refused(tmp_path, capsys):
 
 def test_corrupt_manifest_is_named(tmp_path, capsys):
     from moe_lab.config import apply_overrides, dump_yaml, from_dict, load_yaml
-    from moe_lab.experiment import expand
+    from moe_lab.launch.experiment import expand
 
     root = Path(__file__).resolve().parents[1]
     smoke = load_yaml(str(root / "experiments" / "smoke.yaml"))

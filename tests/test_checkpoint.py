@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from moe_lab import checkpoint
+from moe_lab.rl import checkpoint
 
 
 def _state(model, opt, value: float, step: int, path):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_lab.catalog import builtin_names, first_sentence
+from moe_lab.launch.catalog import builtin_names, first_sentence
 from moe_lab.cli import builtin_experiment, main, read_experiment
 from moe_lab.config import load_yaml
-from moe_lab.experiment import expand
+from moe_lab.launch.experiment import expand
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_list_shows_each_builtin_with_its_cells_and_runtime(capsys):
 
 def test_a_new_experiment_file_is_listed(monkeypatch, tmp_path):
     """experiments/*.yaml added later (e.g. replay_rescue.yaml) appear without any code change."""
-    from moe_lab import catalog
+    from moe_lab.launch import catalog
 
     folder = tmp_path / "exps"
     folder.mkdir()
@@ -98,7 +98,7 @@ def test_a_new_experiment_file_is_listed(monkeypatch, tmp_path):
 
 
 def test_runtime_from_a_reference_is_the_summed_wall_time_over_two_workers(tmp_path):
-    from moe_lab.catalog import runtime
+    from moe_lab.launch.catalog import runtime
 
     walls = {"a-s0": 60.0, "a-s1": 90.0, "b-s0": 30.0}
     for run_id, wall in walls.items():
@@ -112,7 +112,7 @@ def test_runtime_from_a_reference_is_the_summed_wall_time_over_two_workers(tmp_p
 
 
 def test_first_sentence():
-    from moe_lab.catalog import first_sentence
+    from moe_lab.launch.catalog import first_sentence
 
     assert first_sentence("Clip-range sweep. GRPO's 0.2 clip\n  and more.") == "Clip-range sweep."
     assert first_sentence("lr 1e-4, 0.3 accuracy (GSPO 0.65). 30 steps.") == "lr 1e-4, 0.3 accuracy (GSPO 0.65)."

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from moe_lab import coldstart
-from moe_lab.coldstart import META_FILE, cache_key, cold_start, demonstration_batch, sft_loss, sft_step
+from moe_lab.rl import coldstart
+from moe_lab.rl.coldstart import META_FILE, cache_key, cold_start, demonstration_batch, sft_loss, sft_step
 from moe_lab.config import ColdStartConfig, ModelConfig, RunConfig, TaskConfig
 from moe_lab.models import build_model, load_model
 from moe_lab.tasks import get_task

@@ -12,11 +12,12 @@ import pytest
 import torch
 import yaml
 
-from moe_lab import health, results
+from moe_lab.rl import health
+from moe_lab.analysis import results
 from moe_lab.cli import main
 from moe_lab.config import apply_overrides, load_yaml
-from moe_lab.runlog import machine_info, run_status
-from moe_lab.runner import run_experiment
+from moe_lab.rl.runlog import machine_info, run_status
+from moe_lab.launch.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 from moe_lab import config, constants as C
-from moe_lab.advantages import WHITEN_MODES
-from moe_lab.families import FAMILIES
+from moe_lab.algos.advantages import WHITEN_MODES
+from moe_lab.models.families import FAMILIES
 from moe_lab.models import EXPERTS_IMPLS
-from moe_lab.losses import ALGOS, ALL_ALGOS, KL_KINDS, LOSS_AGGS
-from moe_lab.objectives import OBJECTIVES
-from moe_lab.rollout_correction import DEFAULT_BOUNDS, MODES
+from moe_lab.algos.losses import ALGOS, ALL_ALGOS, KL_KINDS, LOSS_AGGS
+from moe_lab.algos.objectives import OBJECTIVES
+from moe_lab.algos.rollout_correction import DEFAULT_BOUNDS, MODES
 from moe_lab.tasks import TASKS
 from moe_lab.tasks.mixture import SINGLE
 

@@ -23,14 +23,14 @@ import pandas as pd
 import pytest
 import yaml
 
-from moe_lab import health
+from moe_lab.rl import health
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
-from moe_lab.distributed import (check_data_parallel, combine_metrics, group_minibatch_indices, rank_groups,
+from moe_lab.rl.distributed import (check_data_parallel, combine_metrics, group_minibatch_indices, rank_groups,
                                  _resume_state)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
-# exact combinations (see moe_lab/dp_split.py); load_* and logratio_var are rank-averaged approximations
+# exact combinations (see moe_lab/rl/dp_split.py); load_* and logratio_var are rank-averaged approximations
 COMPARED = ["loss", "ratio/token_mean", "ratio/seq_mean", "ratio/extreme_frac", "clip_frac/out_of_range",
             "clip_frac/seq", "kl/k3", "routing/expert_change", "routing/expert_change_latent", "routing/any_change",
             "reward/mean", "reward/std", "reward/zero_var_groups", "response/length_mean", "policy/entropy",
@@ -243,7 +243,7 @@ def test_combined_ess_equals_the_whole_batch_ess():
     """rollout_corr/ess is not a mean: it is recombined exactly from each part's weight mean, ESS and tokens."""
     import torch
 
-    from moe_lab.rollout_correction import rollout_correction
+    from moe_lab.algos.rollout_correction import rollout_correction
 
     g = torch.Generator().manual_seed(0)
     mask_BT = torch.rand(6, 9, generator=g) > 0.3
@@ -274,7 +274,7 @@ def test_what_cannot_split_is_refused_in_one_line(override, field):
 
 
 def test_checkpoint_of_other_world_size_is_refused(monkeypatch, tmp_path):
-    from moe_lab import distributed
+    from moe_lab.rl import distributed
 
     saved = {"step": 2, "rows": 4, "eval_rows": 1, "wall_s": 0.5}
     monkeypatch.setattr(distributed.checkpoint, "load", lambda *a: {**saved, "world_size": 2})
@@ -287,7 +287,7 @@ def test_checkpoint_of_other_world_size_is_refused(monkeypatch, tmp_path):
 
 
 def test_overrides_may_follow_out(tmp_path):
-    from moe_lab.distributed import build_parser, load_run_config
+    from moe_lab.rl.distributed import build_parser, load_run_config
 
     args = build_parser().parse_intermixed_args([str(write_config(tmp_path)), "--out", "d", "rl.steps=5"])
     assert args.out == "d" and load_run_config(args.config, args.overrides).rl.steps == 5
@@ -296,14 +296,14 @@ def test_overrides_may_follow_out(tmp_path):
 def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0, old_copy: bool = False):
     """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1.
 
-    old_copy: as collect() under old_forward + R3: old_trace is a copy of the rollout trace carrying the old
+    old_copy: as collect() under old_forward + R3: ref_trace is a copy of the rollout trace carrying the old
     router's log-probs, the forced trace the rollout trace itself, and rollout-correction weights are set.
     """
     import torch
 
-    from moe_lab.rollout import RolloutBatch
+    from moe_lab.rl.rollout import RolloutBatch
     from moe_lab.routing import Trace
-    from moe_lab.step import StepData
+    from moe_lab.rl.step import StepData
 
     g = torch.Generator().manual_seed(seed)
     S, T = P + N, P + N - 1
@@ -324,13 +324,16 @@ def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 
 
 def test_joined_groups_keep_every_token_at_its_place():
     """Groups of other prompt and response lengths: prompts left-padded, responses right-padded, masks off."""
-    from moe_lab.distributed import join_step_data
+    import torch
+
+    from moe_lab.rl.distributed import join_step_data
 
     parts = [_group_data(3, 4, seed=1), _group_data(5, 2, seed=2)]
     joined = join_step_data(parts, pad_token_id=0, replay="rollout")
     b = joined.batch
     assert b.input_ids_BS.shape == (4, 5 + 4) and joined.logp_old_BT.shape == (4, 8)
-    assert joined.old_trace is b.trace and joined.forced_trace is b.trace  # identities update() relies on
+    assert joined.forced_trace is b.trace  # R3 forces the joined rollout trace; the reference holds its values
+    assert torch.equal(joined.ref_trace.indices, b.trace.indices) and torch.equal(joined.ref_trace.weights, b.trace.weights)
     for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
         i = r % 2
         S, T = d.batch.input_ids_BS.shape[1], d.logp_old_BT.shape[1]
@@ -348,17 +351,35 @@ def test_joined_groups_keep_every_token_at_its_place():
 def test_joined_groups_keep_router_logp_and_rollout_weights(replay):
     """R3's old trace is a copy carrying router log-probs, not the rollout trace: both are joined, each at
     its place; the forced trace follows rl.replay; rollout-correction weights are joined and 0 on padding."""
-    from moe_lab.distributed import join_step_data
+    from moe_lab.rl.distributed import join_step_data
 
     parts = [_group_data(3, 4, seed=1, old_copy=True), _group_data(5, 2, seed=2, old_copy=True)]
     joined = join_step_data(parts, pad_token_id=0, replay=replay)
     b = joined.batch
-    assert joined.old_trace is not b.trace and b.trace.router_logp_LBTK is None
-    assert joined.forced_trace is {"none": None, "old": joined.old_trace, "rollout": b.trace}[replay]
+    assert joined.ref_trace is not b.trace and b.trace.router_logp_LBTK is None
+    assert joined.forced_trace is {"none": None, "old": joined.ref_trace, "rollout": b.trace}[replay]
     assert joined.is_weights_BT.shape == joined.logp_old_BT.shape
     for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
         i, T = r % 2, d.logp_old_BT.shape[1]
-        assert (joined.old_trace.router_logp_LBTK[:, r, left:left + T] == d.old_trace.router_logp_LBTK[:, i]).all()
-        assert (joined.old_trace.indices[:, r, left:left + T] == d.old_trace.indices[:, i]).all()
+        assert (joined.ref_trace.router_logp_LBTK[:, r, left:left + T] == d.ref_trace.router_logp_LBTK[:, i]).all()
+        assert (joined.ref_trace.indices[:, r, left:left + T] == d.ref_trace.indices[:, i]).all()
         assert (joined.is_weights_BT[r, left:left + T] == d.is_weights_BT[i]).all()
         assert (joined.is_weights_BT[r][~b.response_mask_BT[r]] == 0).all()
+
+
+def test_every_documented_metric_declares_its_reduction_and_an_undeclared_one_is_refused():
+    """Each metric's reduction across ranks is declared where it is made (its module's REDUCTIONS): every
+    row metric of docs/metrics.md has one, and a metric without one stops the combination, naming it."""
+    import re
+
+    from moe_lab.rl.dp_split import reduction_of, reductions
+
+    table = reductions()
+    documented = set(re.findall(r"^\| `([a-z_]+/[a-z_{}0-9/]+)`", (ROOT / "docs" / "metrics.md").read_text(), re.M))
+    row_metrics = {m.replace("{i}", "0") for m in documented if not m.startswith("eval/")}
+    assert len(row_metrics) > 40
+    for metric in sorted(row_metrics):
+        reduction_of(metric, table)  # raises KeyError when undeclared
+    part = ({"reward/mean": 1.0, "new/undeclared_metric": 2.0}, 8.0, 40.0)
+    with pytest.raises(KeyError, match="new/undeclared_metric"):
+        combine_metrics([part, part])

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moe_lab.cli import _config_table
-from moe_lab.experiment import expand
-from moe_lab.losses import policy_loss
+from moe_lab.launch.experiment import expand
+from moe_lab.algos.losses import policy_loss
 from moe_lab.yaml_io import load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moe_lab.config import ConfigError, load_yaml
-from moe_lab.experiment import expand
+from moe_lab.launch.experiment import expand
 
 EXPERIMENTS = sorted(Path(__file__).resolve().parents[1].joinpath("experiments").glob("*.yaml"))
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moe_lab import checkpoint, coldstart
+from moe_lab.rl import checkpoint
+from moe_lab.rl import coldstart
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
-from moe_lab.runlog import RunLock, RunLocked, read_rows, rows_digest
-from moe_lab.runner import run_experiment
-from moe_lab.train import train
+from moe_lab.rl.runlog import RunLock, RunLocked, read_rows, rows_digest
+from moe_lab.launch.runner import run_experiment
+from moe_lab.rl.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
@@ -171,7 +172,7 @@ def test_two_concurrent_runners_one_table_and_a_message_from_the_loser(tmp_path,
 
 
 def test_a_dead_holders_lock_never_blocks(tmp_path):
-    code = ("import sys, time; from moe_lab.runlog import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from moe_lab.rl.runlog import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})

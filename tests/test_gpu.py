@@ -19,10 +19,10 @@ import torch
 import yaml
 
 from moe_lab.config import ModelConfig, apply_overrides, from_dict, load_yaml, validate
-from moe_lab.families import FAMILIES
+from moe_lab.models.families import FAMILIES
 from moe_lab.models import build_model
 from moe_lab.routing import record, replay
-from moe_lab.train import train
+from moe_lab.rl.loop import train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

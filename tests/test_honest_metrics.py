@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_lab.losses import policy_loss
+from moe_lab.algos.losses import policy_loss
 
 GOLDEN = Path(__file__).parent / "golden" / "losses_golden.json"
 
@@ -96,7 +96,7 @@ def test_clamp_keeps_a_finite_gradient_where_exp_would_overflow():
 
 def test_mismatch_k3_estimates_kl_rollout_to_train_not_the_reverse():
     """Samples come from the rollout policy: the mean of exp(-δ) + δ - 1 must converge to KL(rollout || train)."""
-    from moe_lab.step import _mismatch_metrics
+    from moe_lab.rl.collect import _mismatch_metrics
 
     p_roll = torch.tensor([0.9, 0.05, 0.03, 0.02], dtype=torch.float64)
     p_train = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
@@ -116,7 +116,7 @@ def test_mismatch_k3_estimates_kl_rollout_to_train_not_the_reverse():
 
 
 def test_routing_row_measures_used_and_latent_against_the_reference():
-    from moe_lab.step import _routing_row
+    from moe_lab.rl.step import _routing_row
     from moe_lab.routing.trace import Trace
 
     ids_ref = torch.tensor([[[[0, 1], [2, 3]]]], dtype=torch.uint8)   # (L=1, B=1, S=2, K=2)

@@ -14,17 +14,17 @@ import pytest
 import torch
 from test_train import kill_and_resume, tiny
 
-from moe_lab import step as step_mod
-from moe_lab import train as train_mod
-from moe_lab.coldstart import FORMAT_VERSION, cache_key, cold_start, demonstration_batch
+from moe_lab.rl import step as step_mod
+from moe_lab.rl import loop as train_mod
+from moe_lab.rl.coldstart import FORMAT_VERSION, cache_key, cold_start, demonstration_batch
 from moe_lab.config import ConfigError, validate
 from moe_lab.models import load_model
-from moe_lab.optim import build_optimizer
-from moe_lab.rollout import forward_logits, token_logprobs
+from moe_lab.rl.optim import build_optimizer
+from moe_lab.rl.rollout import forward_logits, token_logprobs
 from moe_lab.routing import load_metrics, record
-from moe_lab.step import minibatch_indices
+from moe_lab.rl.step import minibatch_indices
 from moe_lab.tasks import get_task, load_tokenizer
-from moe_lab.train import train
+from moe_lab.rl.loop import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:cold start stopped:RuntimeWarning")
 

@@ -10,7 +10,7 @@ from moe_lab.config import ModelConfig, apply_overrides, from_dict, validate
 from moe_lab.models import build_model
 from moe_lab.ratio_metrics import DECOMP_KEYS
 from moe_lab.tasks import get_task, load_tokenizer
-from moe_lab.train import train
+from moe_lab.rl.loop import train
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz+=,;:|-"
 

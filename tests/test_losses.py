@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.losses import ALGOS, LOSS_AGGS, aggregate_loss, kl_penalty, masked_mean, policy_loss
-from moe_lab.ratio_metrics import METRIC_KEYS
+from moe_lab.algos.losses import ALGOS, LOSS_AGGS, aggregate_loss, kl_penalty, masked_mean, policy_loss
+from moe_lab.algos.ratio_metrics import METRIC_KEYS
 
 GOLDEN = Path(__file__).parent / "golden" / "losses_golden.json"
 FAST = settings(max_examples=15, deadline=None)
@@ -313,7 +313,7 @@ def test_bad_input_other_functions(call, name):
 def test_numpy_scalar_bounds_are_accepted_and_equal_python_floats():
     import numpy as np
 
-    from moe_lab.losses import policy_loss
+    from moe_lab.algos.losses import policy_loss
 
     g = torch.Generator().manual_seed(3)
     new, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.losses import ALGOS, LOSS_AGGS, policy_loss
+from moe_lab.algos.losses import ALGOS, LOSS_AGGS, policy_loss
 
 FAST = settings(max_examples=20, deadline=None)
 CLIP_KEYS = ("clip_frac/out_of_range", "clip_frac/active", "clip_frac/low", "clip_frac/high", "clip_frac/seq")

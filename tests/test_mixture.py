@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_lab import constants as C
-from moe_lab.coldstart import META_FILE, cold_start, demonstration_batch, sft_step
+from moe_lab.rl.coldstart import META_FILE, cold_start, demonstration_batch, sft_step
 from moe_lab.config import ColdStartConfig, ConfigError, ModelConfig, RunConfig, TaskConfig, apply_overrides, \
     from_dict, validate
 from moe_lab.models import build_model
@@ -173,7 +173,7 @@ def test_cold_start_learns_the_mixture(tmp_path):
 
 def test_task_metrics_split_the_reward_by_sub_task_and_measure_task_specialization():
     from moe_lab.routing import Trace
-    from moe_lab.step import _task_metrics
+    from moe_lab.rl.collect import _task_metrics
 
     task = mixture()
     prompts = [p for i in range(3) for p in task._tagged(i, ["1234"] * 2)]  # two prompts of each sub-task

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from moe_lab.config import ModelConfig
-from moe_lab.families import FAMILIES, _deepseek_groups, get_family
+from moe_lab.models.families import FAMILIES, _deepseek_groups, get_family
 from moe_lab.models import build_model, load_model, moe_layers
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 from synthetic import write_reference
 
-from moe_lab import results
+from moe_lab.analysis import results
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

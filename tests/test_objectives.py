@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_lab.config import PAPER_CLIP, RLConfig, ConfigError, from_dict, validate
-from moe_lab.losses import ALL_ALGOS, LOSS_AGGS, policy_loss
-from moe_lab.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
+from moe_lab.algos.losses import ALL_ALGOS, LOSS_AGGS, policy_loss
+from moe_lab.algos.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
 
 FAST = settings(max_examples=12, deadline=None)
 NEW = ("sapo", "cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl", "luspo", "vespo")
@@ -281,6 +281,32 @@ def test_registry_config_and_paper_defaults_agree():
         SAPO_TAU_POS_DEFAULT, SAPO_TAU_NEG_DEFAULT, RSPO_FLOOR_DEFAULT)
     for algo in NEW:
         validate(from_dict({"rl": {"algo": algo}}))
+
+
+def test_each_objective_knob_is_the_config_field_of_its_name():
+    """An objective declares its own fields once (objectives.OBJECTIVES); the config exposes each as
+    rl.<algo>_<field> with the same default, bounds and help, and the step passes exactly those."""
+    import dataclasses
+
+    from moe_lab.algos.objectives import knob_names
+
+    rl_fields = {f.name: f for f in dataclasses.fields(RLConfig)}
+    declared = []
+    for algo, objective in OBJECTIVES.items():
+        for f, name in zip(dataclasses.fields(objective.params), knob_names(algo)):
+            declared.append(name)
+            assert name in rl_fields, f"rl.{name}: declared by {algo}, missing from RLConfig"
+            meta = rl_fields[name].metadata
+            assert rl_fields[name].default == f.default and meta["help"] == f.metadata["help"]
+            assert all(meta[k] == f.metadata[k] for k in ("gt", "ge", "le", "lt")), name
+    assert list(dict.fromkeys(declared)) == ["sapo_tau_pos", "sapo_tau_neg", "rspo_floor", "dppo_ratio_cap",
+                                             "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"]
+
+
+def test_policy_loss_refuses_an_unknown_knob():
+    new, old, adv, mask, _, _ = make_batch(2, 3, seed=1)
+    with pytest.raises(TypeError, match="sapo_tau"):
+        policy_loss(new, old, adv, mask, algo="sapo", clip_low=0.2, clip_high=0.2, sapo_tau=1.0)
 
 
 @pytest.mark.parametrize("algo", NEW)

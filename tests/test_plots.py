@@ -1,4 +1,4 @@
-"""moe_lab.plots and moe_lab.figures on synthetic result folders: axes, labels, scales, series, files."""
+"""moe_lab.analysis.plots and moe_lab.analysis.figures on synthetic result folders: axes, labels, scales, series, files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 from synthetic import PAPER_ARMS, clip_sweep_arms, volatility_sweep_arms, write_experiment  # noqa: E402
 
-from moe_lab import figures, plots, results, stability, stability_plots  # noqa: E402
+from moe_lab.analysis import figures  # noqa: E402
+from moe_lab.analysis import plots
+from moe_lab.analysis import results
+from moe_lab.analysis import stability
+from moe_lab.analysis import stability_plots
 
 ROOT = Path(__file__).resolve().parents[1]
 

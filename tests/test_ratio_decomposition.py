@@ -12,11 +12,11 @@ import torch
 from test_train import tiny
 
 from moe_lab.models import build_model
-from moe_lab.optim import build_optimizer
-from moe_lab.ratio_metrics import DECOMP_KEYS, ratio_decomposition
-from moe_lab.rollout import forward_logits, token_logprobs
+from moe_lab.rl.optim import build_optimizer
+from moe_lab.algos.ratio_metrics import DECOMP_KEYS, ratio_decomposition
+from moe_lab.rl.rollout import forward_logits, token_logprobs
 from moe_lab.routing import record, replay
-from moe_lab.step import collect, minibatch_indices, update
+from moe_lab.rl.step import collect, minibatch_indices, update
 from moe_lab.tasks import get_task
 
 
@@ -93,9 +93,9 @@ def test_r2_logged_d_route_equals_an_independent_free_routing_recomputation(tmp_
     with torch.no_grad():
         with record(probe) as free_trace:
             free = token_logprobs(forward_logits(probe, ids, attn).logits, ids)
-        with replay(probe, data.old_trace[idx_B]):
+        with replay(probe, data.ref_trace[idx_B]):
             ref = token_logprobs(forward_logits(probe, ids, attn).logits, ids)
-    assert (free_trace.indices != data.old_trace[idx_B].indices).any(), "the perturbation moved no routing"
+    assert (free_trace.indices != data.ref_trace[idx_B].indices).any(), "the perturbation moved no routing"
     want = _numpy_decomposition(free.numpy(), ref.numpy(), data.logp_old_BT[idx_B].numpy(), mask.numpy(), 0.2, 0.27)
     assert want["ratio/d_route_var"] > 1e-6  # routing moved the log-probs: the test can tell terms apart
     for key in DECOMP_KEYS:
@@ -153,7 +153,7 @@ def test_decomp_every_leaves_nan_on_skipped_updates_and_changes_nothing_else(tmp
 def test_data_parallel_combination_gives_the_whole_batch_decomposition():
     """dp_split.combine_metrics: means by tokens, variances and the covariance by the law of total
     (co)variance, routing_share from the combined variances: equal to the decomposition of the whole batch."""
-    from moe_lab.dp_split import combine_metrics
+    from moe_lab.rl.dp_split import combine_metrics
 
     g = torch.Generator().manual_seed(3)
     old = torch.randn(6, 9, generator=g)

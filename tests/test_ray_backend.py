@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 
 from moe_lab.config import apply_overrides, load_yaml
-from moe_lab.runner import run_experiment
+from moe_lab.launch.runner import run_experiment
 
 ray = pytest.importorskip("ray")
 
@@ -54,7 +54,7 @@ def local_ray(monkeypatch):
 
 
 def test_ray_backend_gives_the_local_backends_tables(tmp_path, local_ray):
-    from moe_lab.ray_backend import run_experiment_ray
+    from moe_lab.launch.ray_backend import run_experiment_ray
 
     exp = dict(SMOKE, base=apply_overrides(SMOKE["base"], [f"coldstart.cache_dir={tmp_path / 'cache'}"]))
     quiet = dict(progress=False, echo=lambda *_: None)
@@ -75,7 +75,7 @@ def test_ray_backend_gives_the_local_backends_tables(tmp_path, local_ray):
 
 
 def test_progress_line():
-    from moe_lab.ray_backend import progress_line
+    from moe_lab.launch.ray_backend import progress_line
 
     assert progress_line(3, 2, 1, 6) == "ray: 3/6 done, 2 running or queued, 1 failed"
     assert progress_line(3, 2, 1, 6, collapsed=2) == "ray: 3/6 done (2 collapsed), 2 running or queued, 1 failed"
@@ -95,7 +95,7 @@ class _FakeRay:
 
 
 def test_collapsed_cells_count_as_finished(tmp_path, capsys):
-    from moe_lab.ray_backend import _wait_all
+    from moe_lab.launch.ray_backend import _wait_all
 
     results = {"a": ("a-s0", "done"), "b": ("b-s0", "collapsed"), "c": ("c-s0", "failed")}
     statuses = _wait_all(_FakeRay(results), {ref: None for ref in results}, tmp_path, 3, progress=True)
@@ -130,7 +130,7 @@ def test_unreachable_cluster_is_one_line_before_any_work(tmp_path, capsys):
 def test_join_failures_are_one_line(monkeypatch, error, says):
     """What ray.init raises when it cannot join (measured on Ray 2.60: a wrong token gives a ConnectionError
     after ~20 s of retries; no token at all an AuthenticationError) becomes one line saying what to do."""
-    from moe_lab import ray_backend
+    from moe_lab.launch import ray_backend
 
     def refuse(**kwargs):
         raise error

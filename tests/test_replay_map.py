@@ -8,7 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from moe_lab import figures, replay_map, replay_plots
+from moe_lab.analysis import figures
+from moe_lab.analysis import replay_map
+from moe_lab.analysis import replay_plots
 
 
 def _frames(cells: dict[str, tuple[list[float], list[float]]], steps: int = 3):

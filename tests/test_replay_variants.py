@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
-from moe_lab.families import FAMILIES
+from moe_lab.models.families import FAMILIES
 from moe_lab.models import moe_layers
 from moe_lab.routing import expert_change, predictor, record, replay, router_logp_probe
-from moe_lab.step import rl_step, updates_per_step
-from moe_lab.train import _setup, step_prompts
+from moe_lab.rl.step import rl_step, updates_per_step
+from moe_lab.rl.loop import _setup, step_prompts
 from test_routing import perturb_routers, recorded, tiny_model, tokens
 
 ROOT = Path(__file__).resolve().parents[1]

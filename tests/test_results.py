@@ -1,4 +1,4 @@
-"""moe_lab.results: loading experiment folders into tidy frames, intervals over seeds, summaries."""
+"""moe_lab.analysis.results: loading experiment folders into tidy frames, intervals over seeds, summaries."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 import yaml
 from synthetic import PAPER_ARMS, write_experiment
 
-from moe_lab import results, stability
+from moe_lab.analysis import results
+from moe_lab.analysis import stability
 from moe_lab.config import PAPER_CLIP
 
 ROOT = Path(__file__).resolve().parents[1]

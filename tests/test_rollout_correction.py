@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_lab.config import ConfigError, from_dict, validate
-from moe_lab.rollout_correction import METRIC_KEYS, MODES, rollout_correction
+from moe_lab.algos.rollout_correction import METRIC_KEYS, MODES, rollout_correction
 
 LN = math.log
 

@@ -8,9 +8,10 @@ import torch
 
 from moe_lab.config import ConfigError, ModelConfig, RLConfig, RunConfig, TaskConfig, validate
 from moe_lab.models import build_model
-from moe_lab.rollout import forward_logits, generate
+from moe_lab.rl.rollout import forward_logits, generate
 from moe_lab.routing import expert_change, record
-from moe_lab.step import _rollout_noise_gen, collect
+from moe_lab.rl.collect import collect
+from moe_lab.rl.seeds import rollout_noise_generator
 from moe_lab.tasks import get_task
 
 
@@ -34,18 +35,18 @@ def test_zero_noise_rollout_routes_like_the_trainer():
     data = collected(*setup(0.0))
     assert data.batch_metrics["mismatch/expert_change"] == 0.0  # fp32, same weights: identical routing
     assert data.batch_metrics["mismatch/k3"] == pytest.approx(0.0, abs=1e-10)
-    assert torch.equal(data.batch.trace.indices, data.old_trace.indices)
+    assert torch.equal(data.batch.trace.indices, data.ref_trace.indices)
 
 
 def test_noise_moves_the_rollout_routing_only():
     cfg, task, policy, prompts = setup(0.5)
     data = collected(cfg, task, policy, prompts)
     assert data.batch_metrics["mismatch/expert_change"] > 0 and data.batch_metrics["mismatch/k3"] > 0
-    assert expert_change(data.batch.trace, data.old_trace, mask=data.batch.attention_mask_BS[:, :-1]) > 0
+    assert expert_change(data.batch.trace, data.ref_trace, mask=data.batch.attention_mask_BS[:, :-1]) > 0
     # the old pass routes freely and noise-free: a clean forward of the same weights on the same tokens
     with torch.no_grad(), record(policy) as clean:
         forward_logits(policy, data.batch.input_ids_BS, data.batch.attention_mask_BS)
-    assert torch.equal(clean.indices, data.old_trace.indices)
+    assert torch.equal(clean.indices, data.ref_trace.indices)
     again = collected(cfg, task, policy, prompts)  # seeded from (run seed, step): reproducible
     assert torch.equal(again.batch.input_ids_BS, data.batch.input_ids_BS)
     assert torch.equal(again.batch.trace.indices, data.batch.trace.indices)
@@ -75,6 +76,6 @@ def test_negative_noise_is_refused():
 def test_each_prompt_group_draws_its_own_noise():
     """The data-parallel path collects group by group: equal (seed, step) must not mean equal noise."""
     cfg = setup(0.5)[0]
-    draw = lambda step, prompts: torch.randn(8, generator=_rollout_noise_gen(cfg, step, prompts))  # noqa: E731
+    draw = lambda step, prompts: torch.randn(8, generator=rollout_noise_generator(cfg.seed, step, prompts))  # noqa: E731
     assert torch.equal(draw(3, ["s1="]), draw(3, ["s1="]))
     assert not torch.equal(draw(3, ["s1="]), draw(3, ["s2="])) and not torch.equal(draw(3, ["s1="]), draw(4, ["s1="]))

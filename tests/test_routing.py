@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from moe_lab.config import ModelConfig
-from moe_lab.families import FAMILIES
+from moe_lab.models.families import FAMILIES
 from moe_lab.models import build_model, moe_layers, position_ids_from_mask
 from moe_lab.routing import Trace, check_trace, expert_change, record, replay
 

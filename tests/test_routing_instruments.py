@@ -11,7 +11,7 @@ import torch
 from test_train import tiny
 
 from moe_lab.models import build_model
-from moe_lab.rollout import forward_logits
+from moe_lab.rl.rollout import forward_logits
 from moe_lab.routing import Trace, first_divergence, record, router_logp_probe, routing_confidence, specialization
 from moe_lab.tasks import get_task
 

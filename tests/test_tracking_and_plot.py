@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _smoke_run(tmp_path: Path, report_to: str) -> Path:
     """2 steps of the smoke config's GSPO arm, mirrored to report_to; returns the experiment folder."""
     from moe_lab.config import apply_overrides, load_yaml
-    from moe_lab.runner import run_experiment
+    from moe_lab.launch.runner import run_experiment
 
     smoke = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
     base = apply_overrides(smoke["base"], [f"coldstart.cache_dir={tmp_path / 'cache'}", "rl.steps=2"])
@@ -147,6 +147,6 @@ def test_plot_of_an_empty_folder_says_so(tmp_path, capsys):
 
 
 def test_fixture_arms_are_the_main_jobs_and_the_plots_know_them():
-    from moe_lab import plots
+    from moe_lab.analysis import plots
 
     assert tuple(PAPER_ARMS) == plots.PAPER_ARMS

@@ -15,12 +15,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moe_lab import health
+from moe_lab.rl import health
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
-from moe_lab.experiment import expand
-from moe_lab.ratio_metrics import DECOMP_KEYS
-from moe_lab.runner import run_experiment
-from moe_lab.train import TrainState, train
+from moe_lab.launch.experiment import expand
+from moe_lab.algos.ratio_metrics import DECOMP_KEYS
+from moe_lab.launch.runner import run_experiment
+from moe_lab.rl.loop import TrainState, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))
@@ -122,7 +122,7 @@ def test_fp32_rollout_routing_equals_old_policy_routing_so_r3_equals_r2(tmp_path
 def test_loss_gets_the_router_gamma_of_its_own_forward(tmp_path, monkeypatch, replay):
     """Each update passes policy_loss exp(-shift) of that very forward (RSPO's gamma): the logged
     routing/router_shift is its masked mean of -log gamma; spying on the call changes no metric."""
-    import moe_lab.step as step
+    import moe_lab.rl.step as step
 
     cfg = tiny(tmp_path, f"rl.replay={replay}", "rl.steps=2")
     train(cfg, tmp_path / "plain", run_id="p")
@@ -167,7 +167,7 @@ def test_same_seed_gives_identical_tables(tmp_path):
 
 
 def _launch(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
-    code = ("import sys; from moe_lab.config import from_dict, load_yaml; from moe_lab.train import train; "
+    code = ("import sys; from moe_lab.config import from_dict, load_yaml; from moe_lab.rl.loop import train; "
             "train(from_dict(load_yaml(sys.argv[1])), sys.argv[2], run_id='k')")
     return subprocess.Popen([sys.executable, "-c", code, str(cfg_path), str(run_dir)],
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

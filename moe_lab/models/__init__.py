@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from moe_lab import constants as C
 from moe_lab.config import ModelConfig
-from moe_lab.families import FAMILIES, FamilySpec, family_of_model_type, family_of_router, get_family, hf_kwargs
+from moe_lab.models.families import FAMILIES, FamilySpec, family_of_model_type, family_of_router, get_family, hf_kwargs
 
 EXPERTS_IMPLS = C.EXPERTS_KERNELS  # batched_mm is ~50x slower on CPU: refused
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -186,7 +186,7 @@ def _empty_trace(layers: list, weights: bool, router_logp: bool = False) -> Trac
                             router_logp)
 
 
-class _Recorder(_Session):
+class Recorder(_Session):
     def __init__(self, model: nn.Module, weights: bool, noise_std: float, generator: torch.Generator | None,
                  router_logp: bool = False):
         super().__init__(model, noise_std, generator, router_logp)
@@ -362,7 +362,9 @@ class _Probe(_Session):
 
 
 @contextmanager
-def _session(session: _Session, value: Any) -> Iterator[Any]:
+def installed(session: _Session, value: Any) -> Iterator[Any]:
+    """A session's hooks installed for the body of a with-statement (record, replay, the probe, predictor's
+    recorder); finished, and checked, only when the body raised nothing."""
     session.install()
     try:
         yield value
@@ -377,8 +379,8 @@ def record(model: nn.Module, *, weights: bool = True, noise_std: float = 0.0,
     (or generate()) inside. noise_std > 0 adds N(0, noise_std^2) noise from ``generator`` to the router
     logits before the family's select(): ids and weights then both come from the noised logits.
     router_logp=True: the trace also keeps ``router_logp_LBTK``, the router's log-probs of its chosen ids."""
-    session = _Recorder(model, weights, noise_std, generator, router_logp)
-    return _session(session, session.trace)
+    session = Recorder(model, weights, noise_std, generator, router_logp)
+    return installed(session, session.trace)
 
 
 def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator: torch.Generator | None = None,
@@ -388,7 +390,7 @@ def replay(model: nn.Module, trace: Trace, *, noise_std: float = 0.0, generator:
     router_logp=True also the current router's log-probs: ``router_logp_at(ids)``, ``router_logp_LBTK``).
     gate in [0, 1]: gated replay (routing/gate.py); weights=True: force the trace's gate weights as well."""
     session = _Replayer(model, trace, noise_std, generator, router_logp, gate, weights)
-    return _session(session, session.handle)
+    return installed(session, session.handle)
 
 
 def router_logp_probe(model: nn.Module, ids_LBSK: Tensor | None = None):
@@ -397,4 +399,4 @@ def router_logp_probe(model: nn.Module, ids_LBSK: Tensor | None = None):
     keeps only those (L, B, S, k) instead of the dense (L, B, S, E). Changes no routing; nests with
     record/replay."""
     session = _Probe(model, ids_LBSK)
-    return _session(session, session.logp)
+    return installed(session, session.logp)

@@ -13,7 +13,23 @@ from typing import Any
 
 import torch
 
+from moe_lab.algos import reductions as R
+
 Tensor = torch.Tensor
+# across ranks (moe_lab/algos/reductions.py): shares of response tokens by tokens; load metrics are per part
+# (their max by max, the entropy only averaged: the global load is not the parts' mean)
+REDUCTIONS = {
+    "routing/expert_change": R.TOKEN_MEAN, "routing/any_change": R.TOKEN_MEAN, "routing/gate_drift": R.TOKEN_MEAN,
+    "routing/layer_*/expert_change": R.TOKEN_MEAN, "routing/router_shift": R.TOKEN_MEAN,
+    "routing/layer_*/router_shift": R.TOKEN_MEAN, "routing/load_entropy": R.TOKEN_MEAN,
+    "routing/layer_*/load_entropy": R.TOKEN_MEAN, "routing/load_max_violation": R.MAX,
+    "routing/layer_*/load_max_violation": R.MAX,
+    # shares of response tokens (confidence: a token mean of the top-1 probability); the specialisation
+    # indices (mutual informations) are only averaged over ranks
+    "routing/confidence": R.TOKEN_MEAN, "routing/confidence_l*": R.TOKEN_MEAN, "routing/first_div_*": R.TOKEN_MEAN,
+    "routing/specialization": R.TOKEN_MEAN, "routing/specialization_l*": R.TOKEN_MEAN,
+    "routing/task_specialization": R.TOKEN_MEAN, "routing/task_specialization_l*": R.TOKEN_MEAN,
+}
 
 
 def _ids(x: Any, name: str) -> Tensor:

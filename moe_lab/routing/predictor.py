@@ -31,8 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lab.algos import reductions as R
 from moe_lab.models import moe_layers
-from moe_lab.routing.hooks import _Recorder, _session
+from moe_lab.routing.hooks import Recorder, installed
+
+# across ranks: refitted from the whole batch after the updates (rl.replay=predictive is refused under torchrun)
+REDUCTIONS = {"pr2/*": R.SAME}
 
 Tensor = torch.Tensor
 HEAD = "pr2_head"  # buffer name on each router
@@ -55,7 +59,7 @@ def predicted_logits(router: nn.Module, hidden_NH: Tensor, logits_NE: Tensor) ->
     return logits_NE + F.linear(hidden_NH.to(head_EH.dtype), head_EH).to(logits_NE.dtype)
 
 
-class _PredictiveRecorder(_Recorder):
+class _PredictiveRecorder(Recorder):
     """record() that routes by the predicted logits (ids and gate weights from the family's select on them);
     the recorded router log-probs stay those of the router's own logits (router_shift's reference)."""
 
@@ -80,7 +84,7 @@ def record_predicted(model: nn.Module, *, router_logp: bool = False, noise_std: 
     """record() whose routing follows the predicted router (PR²'s rollout); yields the Trace of that routing.
     noise_std/generator: the sampler-side router noise (rl.rollout_router_noise), as record() takes them."""
     session = _PredictiveRecorder(model, True, noise_std, generator, router_logp)
-    return _session(session, session.trace)
+    return installed(session, session.trace)
 
 
 class Observation:

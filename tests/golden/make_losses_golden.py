@@ -2,7 +2,7 @@
 
 Fixed float32 tensors (stored in the file, so the check never depends on an RNG) and, for every
 algorithm x aggregation (plus dual clip, per-token advantages, a fixed norm_len), the loss, its
-gradient wrt logp_new and the metrics from moe_lab.losses. tests/test_losses.py checks them to
+gradient wrt logp_new and the metrics from moe_lab.algos.losses. tests/test_losses.py checks them to
 1e-6 and checks them against its independent loop-based reference, so regenerate only after a
 deliberate change of the formulas, and say so in the commit.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere, installed or not
-from moe_lab.losses import ALGOS, LOSS_AGGS, policy_loss  # noqa: E402
+from moe_lab.algos.losses import ALGOS, LOSS_AGGS, policy_loss  # noqa: E402
 
 OUT = Path(__file__).with_name("losses_golden.json")
 B, T = 4, 5

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.results import (Z975, _check_columns, _group_ci, _run_keys, arm_factor_level, base_arm,
-                             final_values, last_frac_means)
+from moe_lab.analysis.tables import (arm_factor_level, base_arm, check_columns, final_values, group_ci,
+                                     last_frac_means, run_keys, Z975)
 
 # --------------------------------------------------------------------------- collapse
 
@@ -41,8 +41,8 @@ def collapse_runs(metrics_df: pd.DataFrame, by: Sequence[str] = ("arm",)) -> pd.
     """One row per run: by..., run keys, collapsed_at (NaN = never), collapse_rule, last_step (its last
     logged step: where an uncollapsed run is censored)."""
     by = [by] if isinstance(by, str) else list(by)
-    _check_columns(metrics_df, [*by, "step", "collapsed_at"], "by")
-    keys = list(dict.fromkeys([*by, *_run_keys(metrics_df)]))
+    check_columns(metrics_df, [*by, "step", "collapsed_at"], "by")
+    keys = list(dict.fromkeys([*by, *run_keys(metrics_df)]))
     grouped = metrics_df.groupby(keys, dropna=False, sort=True)
     out = grouped["collapsed_at"].first().astype(float).to_frame()
     out["collapse_rule"] = grouped["collapse_rule"].first() if "collapse_rule" in metrics_df else ""
@@ -111,9 +111,9 @@ def level_order(levels: Iterable[str]) -> list[str]:
 def with_base_levels(frame: pd.DataFrame, design: dict) -> pd.DataFrame:
     """Rows of a ``factors`` experiment's shared base cells ('<arm>__base') copied onto every factor's axis,
     at the level that factor's block marks as the base ({}), so each factor's curve includes the base point."""
-    from moe_lab.experiment import BASE_LABEL, factor_levels
+    from moe_lab.launch.experiment import BASE_LABEL, factor_levels
 
-    frame = _with_labels(frame)
+    frame = with_labels(frame)
     if not len(frame):
         return frame
     is_base = frame["factor"] == BASE_LABEL
@@ -127,7 +127,7 @@ def with_base_levels(frame: pd.DataFrame, design: dict) -> pd.DataFrame:
 
 def design_levels(design: dict) -> dict[str, list[str]]:
     """factor -> its level labels in the order the experiment file lists them."""
-    from moe_lab.experiment import factor_levels
+    from moe_lab.launch.experiment import factor_levels
 
     return {factor: [label for label, _ in levels] for factor, levels in factor_levels(design).items()}
 
@@ -148,24 +148,24 @@ def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: s
     level_order). Rows without a factor label are left out. ``design``: the experiment (its ``factors``
     block), whose shared base cells then join every factor at its base level, in the file's level order.
     """
-    _check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
+    check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
     if len(eval_df):
-        _check_columns(eval_df, ["arm", "step", "eval/acc_greedy"], "eval_df")
-    frames = [_with_labels(f) for f in (metrics_df, eval_df)]
+        check_columns(eval_df, ["arm", "step", "eval/acc_greedy"], "eval_df")
+    frames = [with_labels(f) for f in (metrics_df, eval_df)]
     if design is not None and design.get("factors"):
         frames = [with_base_levels(f, design) for f in frames]
         levels = levels or design_levels(design)
     m, e = (f[f["factor"].notna()] if len(f) else f for f in frames)
     keys = ["factor", "level", "arm_base"]
-    run_keys = list(dict.fromkeys([*keys, *_run_keys(m)]))
+    rkeys = list(dict.fromkeys([*keys, *run_keys(m)]))
     change = m["routing/expert_change"]
     if "routing/expert_change_latent" in m:
         change = m["routing/expert_change_latent"].fillna(change)
     by_update = m.assign(_change=change, step=m["update"] if "update" in m else m["step"])
-    per_run = last_frac_means(by_update, ["_change"], keys, last_frac).set_index(run_keys)
-    per_run["ratio_var_p99"] = m.groupby(run_keys, dropna=False, sort=True)["ratio/token_var"].quantile(0.99)
+    per_run = last_frac_means(by_update, ["_change"], keys, last_frac).set_index(rkeys)
+    per_run["ratio_var_p99"] = m.groupby(rkeys, dropna=False, sort=True)["ratio/token_var"].quantile(0.99)
     if len(e):
-        per_run["acc_greedy"] = final_values(e, ["eval/acc_greedy"], keys).set_index(run_keys)["eval/acc_greedy"]
+        per_run["acc_greedy"] = final_values(e, ["eval/acc_greedy"], keys).set_index(rkeys)["eval/acc_greedy"]
     else:
         per_run["acc_greedy"] = math.nan
     per_run = per_run.rename(columns={"_change": "expert_change"}).astype(float)
@@ -187,7 +187,7 @@ def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: s
     return table.drop(columns="_f").reset_index(drop=True)
 
 
-def _with_labels(frame: pd.DataFrame) -> pd.DataFrame:
+def with_labels(frame: pd.DataFrame) -> pd.DataFrame:
     """arm_base, factor and level columns (load_runs adds them; hand-made frames may not have them)."""
     if not len(frame) or {"arm_base", "factor", "level"} <= set(frame.columns):
         return frame
@@ -209,12 +209,12 @@ def arm_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, last_frac: flo
     where logged, else routing/expert_change), router_shift, clip_active, clip_out (means over the last
     ``last_frac`` of each run's steps); ratio_var_p99 (each run's 99th percentile of its minibatch
     ratio/token_var). Plus collapses, collapse_rate and its Wilson interval, collapse_step_median."""
-    _check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
+    check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
     change = metrics_df["routing/expert_change"]
     if "routing/expert_change_latent" in metrics_df:
         change = metrics_df["routing/expert_change_latent"].fillna(change)
     m = metrics_df.assign(_change=change)
-    keys = list(dict.fromkeys(["arm", *_run_keys(m)]))
+    keys = list(dict.fromkeys(["arm", *run_keys(m)]))
     last = [src for _, src, how in ARM_TABLE_METRICS if how == "last"]
     per_run = last_frac_means(m, last, ["arm"], last_frac).set_index(keys)
     per_run["ratio/token_var"] = m.groupby(keys, dropna=False, sort=True)["ratio/token_var"].quantile(0.99)
@@ -225,6 +225,6 @@ def arm_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, last_frac: flo
     else:
         per_run["acc_greedy"] = math.nan
     per_run = per_run.reset_index()
-    table = _group_ci(per_run, ["acc_greedy", *cols], ["arm"])
+    table = group_ci(per_run, ["acc_greedy", *cols], ["arm"])
     table.insert(0, "runs", per_run.groupby("arm", sort=True).size())
     return table.join(collapse_stats(m, ["arm"]), how="left").reset_index()

@@ -24,7 +24,7 @@ from pathlib import Path
 from moe_lab.config import load_yaml
 
 BUILTIN = "moe_lab.experiments"
-REFERENCE_DIR = Path(__file__).resolve().parents[1] / "results" / "reference"
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "reference"
 WORKERS_2CORES = 2  # one thread per run (config `threads`), so a 2-core machine runs 2 cells at a time
 
 
@@ -90,7 +90,7 @@ class Entry:
 
 def catalog(reference_dir: Path = REFERENCE_DIR) -> list[Entry]:
     """One entry per built-in experiment, in name order."""
-    from moe_lab.experiment import expand
+    from moe_lab.launch.experiment import expand
 
     entries = []
     for name in builtin_names():

@@ -1,4 +1,4 @@
-"""Policy loss around the objective registry (``moe_lab.objectives``), and the KL estimators.
+"""Policy loss around the objective registry (``moe_lab.algos.objectives``), and the KL estimators.
 
 Everything is a pure tensor function. ``policy_loss`` returns the loss to MINIMISE and a dict of
 detached metrics. Switching algorithm changes one thing, the objective function picked from
@@ -25,17 +25,8 @@ import numbers
 import torch
 
 from moe_lab import constants as C
-from moe_lab.objectives import (
-    DPPO_RATIO_CAP_DEFAULT,
-    OBJECTIVES,
-    RSPO_FLOOR_DEFAULT,
-    SAPO_TAU_NEG_DEFAULT,
-    SAPO_TAU_POS_DEFAULT,
-    VESPO_SHAPE_DEFAULT,
-    ObjectiveInputs,
-    ObjectiveTerms,
-)
-from moe_lab.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
+from moe_lab.algos.objectives import OBJECTIVES, ObjectiveInputs, ObjectiveTerms, make_params
+from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
 __all__ = [
     "ALGOS",
@@ -208,25 +199,6 @@ def _masked_inputs(logp_new_BT, logp_old_BT, advantages, mask_BT):
 # ---------------------------------------------------------------- the objective
 
 
-def _objective_knobs(sapo_tau_pos, sapo_tau_neg, rspo_floor, dppo_ratio_cap, vespo_shape) -> dict:
-    """The per-objective knobs, checked, as plain floats (NumPy scalars would promote tensor arithmetic to
-    their own dtype rules): the keyword arguments of ObjectiveInputs."""
-    for name, tau in (("sapo_tau_pos", sapo_tau_pos), ("sapo_tau_neg", sapo_tau_neg)):
-        if not (_real(tau) and 0.0 < tau < math.inf):
-            raise ValueError(f"{name} must be a finite float > 0, got {tau!r}")
-    if not (_real(rspo_floor) and 0.0 < rspo_floor <= 1.0):
-        raise ValueError(f"rspo_floor must be a float with 0 < rspo_floor <= 1, got {rspo_floor!r}")
-    if not (_real(dppo_ratio_cap) and 1.0 <= dppo_ratio_cap < math.inf):
-        raise ValueError(f"dppo_ratio_cap must be a finite float >= 1, got {dppo_ratio_cap!r}")
-    # k = 0 is allowed (no suppression of small W); lambda = 0 would make phi grow without bound.
-    for name, value, op in zip(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), vespo_shape,
-                               (">=", ">", ">=", ">")):
-        if not (_real(value) and (value >= 0.0 if op == ">=" else value > 0.0) and value < math.inf):
-            raise ValueError(f"{name} must be a finite float {op} 0, got {value!r}")
-    return dict(sapo_tau_pos=float(sapo_tau_pos), sapo_tau_neg=float(sapo_tau_neg), rspo_floor=float(rspo_floor),
-                dppo_ratio_cap=float(dppo_ratio_cap), vespo_shape=tuple(float(v) for v in vespo_shape))
-
-
 def _check_token_weights(name: str, x, shape: tuple[int, ...]) -> None:
     if x is None:
         return
@@ -306,16 +278,9 @@ def policy_loss(
     loss_agg: str = "seq-mean-token-mean",
     dual_clip_c: float | None = None,
     norm_len: float | None = None,
-    sapo_tau_pos: float = SAPO_TAU_POS_DEFAULT,
-    sapo_tau_neg: float = SAPO_TAU_NEG_DEFAULT,
-    rspo_floor: float = RSPO_FLOOR_DEFAULT,
     router_gamma_BT: torch.Tensor | None = None,
     is_weights_BT: torch.Tensor | None = None,
-    dppo_ratio_cap: float = DPPO_RATIO_CAP_DEFAULT,
-    vespo_k_pos: float = VESPO_SHAPE_DEFAULT[0],
-    vespo_lambda_pos: float = VESPO_SHAPE_DEFAULT[1],
-    vespo_k_neg: float = VESPO_SHAPE_DEFAULT[2],
-    vespo_lambda_neg: float = VESPO_SHAPE_DEFAULT[3],
+    **knobs: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss (to minimise) of objective ``algo`` and its metrics (see docs/metrics.md).
 
@@ -324,17 +289,16 @@ def policy_loss(
     gspo_unnormalized it must be constant over each response). mask_BT: 1 on response tokens; every
     row needs one. Masked positions may hold anything (NaN, inf): they change neither loss, gradient
     nor metrics. norm_len is used by seq-mean-token-sum-norm only (default T).
-    sapo_tau_*: SAPO's gate temperatures; rspo_floor / router_gamma_BT: RSPO's floor and per-token
-    router-shift ratio (None = 1: unchanged router). is_weights_BT: rollout-correction weights
+    knobs: each objective's own parameters as ``<prefix>_<field>`` keyword arguments (``sapo_tau_pos``,
+    ``rspo_floor``, ``dppo_ratio_cap``, ``vespo_k_pos``...; declared with defaults and bounds in
+    ``objective_params``). router_gamma_BT: RSPO's per-token router-shift ratio (None = 1: unchanged
+    router). is_weights_BT: rollout-correction weights
     (``rollout_correction.rollout_correction``), multiplied into the per-token terms before the
     aggregation (for gmpo/rspo folded per sequence as a geometric mean, see ``_fold_is_weights``).
-    dppo_*: for dppo_tv / dppo_kl clip_low / clip_high are the divergence thresholds (verl's
-    clip_ratio_low / high) and dppo_ratio_cap truncates the detached ratio (verl's clip_ratio_c).
-    vespo_*: VESPO's kernel exponents k and decays lambda for A >= 0 (pos) and A < 0 (neg).
+    For dppo_tv / dppo_kl clip_low / clip_high are the divergence thresholds (verl's clip_ratio_low / high).
     """
     _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len)
-    knobs = _objective_knobs(sapo_tau_pos, sapo_tau_neg, rspo_floor, dppo_ratio_cap,
-                             (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg))
+    params = make_params(algo, knobs)
     clip_low, clip_high = float(clip_low), float(clip_high)  # plain floats, as the knobs
     dual_clip_c = None if dual_clip_c is None else float(dual_clip_c)
     norm_len = None if norm_len is None else float(norm_len)
@@ -346,10 +310,8 @@ def policy_loss(
     if router_gamma_BT is not None:
         router_gamma_BT = torch.where(keep_BT, router_gamma_BT.detach().to(dtype), torch.ones((), dtype=dtype))
     objective = OBJECTIVES[algo]
-    terms = objective.fn(ObjectiveInputs(
-        d_BT, logp_new_BT, adv_BT, keep_BT, clip_low, clip_high, dual_clip_c,
-        router_gamma_BT=router_gamma_BT, logp_old_BT=logp_old_BT, **knobs,
-    ))
+    terms = objective.fn(ObjectiveInputs(d_BT, logp_new_BT, adv_BT, keep_BT, clip_low, clip_high, dual_clip_c,
+                                         router_gamma_BT=router_gamma_BT, logp_old_BT=logp_old_BT), params)
     loss_BT = _is_weighted(terms.loss_BT, is_weights_BT, keep_BT, objective.sequence_level, dtype)
     loss = aggregate_loss(loss_BT, keep_BT, loss_agg, norm_len=norm_len)
     return loss, _loss_metrics(terms, d_BT, keep_BT, token_clamped_BT)

@@ -15,9 +15,14 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab import plots, replay_map, replay_plots, results, stability, stability_plots
+from moe_lab.analysis import plots
+from moe_lab.analysis import replay_map
+from moe_lab.analysis import replay_plots
+from moe_lab.analysis import results
+from moe_lab.analysis import stability
+from moe_lab.analysis import stability_plots
 from moe_lab.constants import PPO_CLIP_ALGOS
-from moe_lab.experiment import BASE_LABEL
+from moe_lab.launch.experiment import BASE_LABEL
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",

@@ -3,7 +3,7 @@
 One point per setting (a factor level of a one-factor-at-a-time experiment, or the whole experiment): x is
 how much of GRPO's importance-ratio noise comes from routing (``ratio/routing_share`` of its runs, the ratio
 decomposition of docs/metrics.md), y is what replay (or GSPO) buys over GRPO in final greedy accuracy.
-Reads the frames of moe_lab.results; never trains, never reads files.
+Reads the frames of moe_lab.analysis.results; never trains, never reads files.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.results import _check_columns, mean_ci, t_quantile_975
-from moe_lab.stability import _with_labels
+from moe_lab.analysis.tables import check_columns, mean_ci, t_quantile_975
+from moe_lab.analysis.stability import with_labels
 
 SHARE = "ratio/routing_share"
 REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay
@@ -58,9 +58,9 @@ def replay_map_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, referen
     t-interval over seeds), gap = mean final greedy accuracy of the treatment minus the reference's, with
     gap_lo/gap_hi (Welch 95%), acc_ref, acc_treat, n_ref, n_treat. A factors design's shared base cells
     ('<arm>__base') are one setting of their own (factor 'base'): each setting appears once on the map."""
-    _check_columns(metrics_df, ["arm", "seed", "step"], "metrics_df")
-    _check_columns(eval_df, ["arm", "seed", "step", "eval/acc_greedy"], "eval_df")
-    m, e = (_with_labels(f) for f in (metrics_df, eval_df))
+    check_columns(metrics_df, ["arm", "seed", "step"], "metrics_df")
+    check_columns(eval_df, ["arm", "seed", "step", "eval/acc_greedy"], "eval_df")
+    m, e = (with_labels(f) for f in (metrics_df, eval_df))
     m, e = (f.assign(factor=f["factor"].fillna("-"), level=f["level"].fillna("-")) for f in (m, e))
     runs = _per_run(m, e, ["factor", "level", "arm_base"])
     rows = []

@@ -25,8 +25,8 @@ from pathlib import Path
 import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
-from moe_lab.experiment import Cell, expand
-from moe_lab.runlog import (FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock,
+from moe_lab.launch.experiment import Cell, expand
+from moe_lab.rl.runlog import (FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock,
                             atomic_write_text, config_state, read_json, run_status)
 
 STATUS_LOCKED = "locked"
@@ -36,7 +36,7 @@ PARENT_POLL_S = 0.5
 
 def _preflight(cells: list[Cell]) -> None:
     """Task size, sequence budget and checkpoint path of every distinct setup, before any folder is made."""
-    from moe_lab.coldstart import preflight
+    from moe_lab.rl.coldstart import preflight
 
     for cfg in _distinct_setups(cells):
         preflight(cfg)
@@ -44,7 +44,7 @@ def _preflight(cells: list[Cell]) -> None:
 
 def _distinct_setups(cells: list[Cell]) -> list:
     """One config per cold-start cache entry: the cells that share it need one cold start and one check."""
-    from moe_lab.coldstart import cache_key
+    from moe_lab.rl.coldstart import cache_key
 
     return list({cache_key(c.config): c.config for c in cells}.values())
 
@@ -62,8 +62,8 @@ def _verified_done(run_dir: Path) -> bool:
     """A finished manifest ('done' or 'collapsed') counts only if the tables hold what the run committed: the
     final checkpoint's rows (verified with their digests), or the row counts of the manifest (a folder trimmed
     of checkpoint/, or a collapsed run: it stops after its last checkpoint, with more rows than that holds)."""
-    from moe_lab.checkpoint import ResumeError, read_state
-    from moe_lab.runlog import read_rows
+    from moe_lab.rl.checkpoint import ResumeError, read_state
+    from moe_lab.rl.runlog import read_rows
 
     try:
         committed = read_state(run_dir / "checkpoint") is not None
@@ -114,20 +114,20 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _coldstart_worker(cfg) -> str:
+def coldstart_worker(cfg) -> str:
     import torch
 
-    from moe_lab.coldstart import cold_start
+    from moe_lab.rl.coldstart import cold_start
 
     quiet_transformers()
     torch.set_num_threads(cfg.threads)
     return str(cold_start(cfg, progress=False))
 
 
-def _train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
+def train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
     """(run_id, status); status 'locked' when another runner holds the folder (nothing is written then)."""
-    from moe_lab.runlog import RunLog
-    from moe_lab.train import run_info, train
+    from moe_lab.rl.runlog import RunLog
+    from moe_lab.rl.loop import run_info, train
 
     quiet_transformers()
     run_dir = Path(run_dir)
@@ -151,7 +151,7 @@ def _train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
 
 def _machine_or_nothing() -> dict:
     try:  # the manifest of a run that failed still says where; never a second error on the way
-        from moe_lab.runlog import machine_info
+        from moe_lab.rl.runlog import machine_info
 
         return {"machine": machine_info()}
     except Exception:
@@ -210,8 +210,8 @@ def _run_parallel(fn, items: list[tuple], jobs: int, desc: str, progress: bool) 
 
 def _mark_interrupted(cells: list[Cell], runs_dir: Path) -> list[str]:
     """Unfinished runs that had started get manifest status 'interrupted'; returns their ids."""
-    from moe_lab.runlog import RunLog
-    from moe_lab.train import run_info
+    from moe_lab.rl.runlog import RunLog
+    from moe_lab.rl.loop import run_info
 
     marked = []
     for c in cells:
@@ -293,9 +293,9 @@ def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: b
     try:
         if backend is not None:
             return backend.run(todo, runs_dir, _distinct_setups(todo), progress)
-        _run_parallel(_coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
+        _run_parallel(coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
         items = [(c, str(runs_dir / c.run_id)) for c in todo]
-        return dict(_run_parallel(_train_worker, items, jobs, "runs", progress))
+        return dict(_run_parallel(train_worker, items, jobs, "runs", progress))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the bookkeeping short
         try:
@@ -319,7 +319,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ConfigError(f"--jobs={jobs!r}: allowed an integer >= 1")
     if report_to is not None:
-        from moe_lab.tracking import check_report_to
+        from moe_lab.launch.tracking import check_report_to
 
         check_report_to(report_to)
     cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
@@ -349,7 +349,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
         elif status == STATUS_FAILED:
             echo(f"{run_id}: failed: {_reason(runs_dir / run_id)}")
     if report_to is not None:
-        from moe_lab.tracking import mirror_runs
+        from moe_lab.launch.tracking import mirror_runs
 
         mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to, group=exp.get("name"))
     return statuses

@@ -1,4 +1,4 @@
-"""Figures of the paper's comparisons, from the frames of moe_lab.results (never reads files, never trains).
+"""Figures of the paper's comparisons, from the frames of moe_lab.analysis.results (never reads files, never trains).
 
 Every function returns a matplotlib Figure built without pyplot (no global figure registry, no display
 backend needed: savefig picks Agg/PDF/SVG by format). Curves are the mean over seeds with a shaded 95%
@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moe_lab import results
+from moe_lab.analysis import results
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
 ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",
@@ -80,7 +80,7 @@ def arm_order(arms: Sequence[str]) -> list[str]:
     return [a for a in PAPER_ARMS if a in arms] + sorted(a for a in arms if a not in PAPER_ARMS)
 
 
-def _arms(df: pd.DataFrame, arms: Sequence[str] | None) -> list[str]:
+def arms_to_draw(df: pd.DataFrame, arms: Sequence[str] | None) -> list[str]:
     present = arm_order(df["arm"].dropna().astype(str).unique()) if "arm" in df else []
     if arms is None:
         return present
@@ -96,13 +96,13 @@ def _require(df: pd.DataFrame, cols: Sequence[str], name: str) -> None:
         raise ValueError(f"{name}: the frame has no values for {missing}")
 
 
-def _figure(ncols: int, nrows: int = 1, width: float = 4.0, height: float = 3.0):
+def new_figure(ncols: int, nrows: int = 1, width: float = 4.0, height: float = 3.0):
     fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     return fig, axes
 
 
-def _positive_floor(lo: np.ndarray, mean: np.ndarray) -> np.ndarray:
+def positive_floor(lo: np.ndarray, mean: np.ndarray) -> np.ndarray:
     # On a log axis a band reaching <= 0 (two seeds give wide t-intervals) would vanish entirely;
     # floor it at a tenth of the mean so the band stays visible and honest about its upper side.
     return np.where(lo > 0, lo, mean / 10)
@@ -114,7 +114,7 @@ def band(ax, table: pd.DataFrame, label: str, color: str, *, log: bool = False, 
     ax.plot(x, mean, color=color, linestyle=linestyle, label=label)
     # Every quantity plotted here (shares, variances, rewards, accuracies) is >= 0: a t-band below 0
     # from three seeds says nothing the axis should show.
-    lo = _positive_floor(lo, mean) if log else np.maximum(lo, 0.0)
+    lo = positive_floor(lo, mean) if log else np.maximum(lo, 0.0)
     ax.fill_between(x, np.where(np.isnan(lo), mean, lo), np.where(np.isnan(hi), mean, hi), color=color,
                     alpha=BAND_ALPHA, linewidth=0)
 
@@ -145,7 +145,7 @@ def run_mean_bars(ax, metrics_df: pd.DataFrame, arms: Sequence[str], metrics: Se
     height = 0.8 / len(metrics)
     for j, metric in enumerate(metrics):
         stats = np.array([results.mean_ci(per_run.loc[per_run["arm"] == a, metric]) for a in arms]).reshape(-1, 3)
-        lo = _positive_floor(stats[:, 1], stats[:, 0])
+        lo = positive_floor(stats[:, 1], stats[:, 0])
         err = np.abs(np.nan_to_num(np.stack([lo, stats[:, 2]]) - stats[None, :, 0]))
         ax.barh(np.arange(len(arms)) + (j - (len(metrics) - 1) / 2) * height, stats[:, 0], height, xerr=err,
                 capsize=2, color=[arm_color(a) for a in arms], alpha=1.0 if j == 0 else 0.5, label=metric)
@@ -160,8 +160,8 @@ def clip_fraction(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -
     senses = {"clip_frac/out_of_range": "ratio outside the clip range",
               "clip_frac/active": "gradient zeroed by the clip"}
     _require(metrics_df, list(senses), "clip_fraction")
-    arms = _arms(metrics_df, arms)
-    fig, axes = _figure(3, height=max(3.0, 1.2 + 0.3 * len(arms)))
+    arms = arms_to_draw(metrics_df, arms)
+    fig, axes = new_figure(3, height=max(3.0, 1.2 + 0.3 * len(arms)))
     for ax, (metric, title) in zip(axes[0], senses.items()):
         curves(ax, metrics_df, metric, arms, ylabel=f"{TOKENS} (log)", title=title, log=True)
     figure_legend(fig, axes[0, 0])
@@ -178,11 +178,11 @@ def reward_curves(metrics_df: pd.DataFrame, eval_df: pd.DataFrame | None = None,
     _require(metrics_df, ["reward/mean"], "reward_curves")
     if arms is None:
         arms = [a for a in PAPER_ARMS if a in set(metrics_df["arm"])] or None
-    arms = _arms(metrics_df, arms)
+    arms = arms_to_draw(metrics_df, arms)
     evals = {m: t for m, t in (("eval/acc_greedy", "held-out accuracy, greedy"),
                                 ("eval/acc_sampled", "held-out accuracy, sampled (T=1)"))
              if eval_df is not None and m in eval_df.columns and eval_df[m].notna().any()}
-    fig, axes = _figure(1 + len(evals))
+    fig, axes = new_figure(1 + len(evals))
     curves(axes[0, 0], metrics_df, "reward/mean", arms, ylabel="mean reward per response", title="training reward")
     for ax, (metric, title) in zip(axes[0, 1:], evals.items()):
         curves(ax, eval_df, metric, [a for a in arms if a in set(eval_df["arm"])],
@@ -196,12 +196,12 @@ def reward_curves(metrics_df: pd.DataFrame, eval_df: pd.DataFrame | None = None,
 def routing_volatility(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Figure:
     """Expert change per update per arm; next to it, under replay, the latent change vs the forced one."""
     _require(metrics_df, ["routing/expert_change"], "routing_volatility")
-    arms = _arms(metrics_df, arms)
+    arms = arms_to_draw(metrics_df, arms)
     replay_arms = []
     if "replay" in metrics_df and "routing/expert_change_latent" in metrics_df:
         replayed = set(metrics_df.loc[metrics_df["replay"].fillna("none") != "none", "arm"])
         replay_arms = [a for a in arms if a in replayed]
-    fig, axes = _figure(2 if replay_arms else 1)
+    fig, axes = new_figure(2 if replay_arms else 1)
     curves(axes[0, 0], metrics_df, "routing/expert_change", arms, ylabel=CHANGE,
            title="per update: old-policy routing vs routing used")
     figure_legend(fig, axes[0, 0])
@@ -231,7 +231,7 @@ def routing_heatmap(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None)
     cols = layer_columns(metrics_df)
     if not cols:
         raise ValueError("routing_heatmap: the frame has no routing/layer_{i}/expert_change columns")
-    arms = _arms(metrics_df, arms)
+    arms = arms_to_draw(metrics_df, arms)
     grids = {}
     for arm in arms:
         sub = metrics_df[metrics_df["arm"] == arm]
@@ -239,7 +239,7 @@ def routing_heatmap(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None)
         grids[arm] = (tables[0]["step"].to_numpy(float), np.stack([t["mean"].to_numpy(float) for t in tables]))
     vmax = max(float(np.nanmax(g)) if np.isfinite(g).any() else 0.0 for _, g in grids.values()) or 1.0
     ncols = min(len(arms), HEATMAP_COLS)
-    fig, axes = _figure(ncols, -(-len(arms) // ncols), width=3.0, height=2.6)
+    fig, axes = new_figure(ncols, -(-len(arms) // ncols), width=3.0, height=2.6)
     for ax in axes.flat[len(arms):]:
         ax.set_visible(False)
     for ax, arm in zip(axes.flat, arms):
@@ -258,8 +258,8 @@ def routing_heatmap(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None)
 def ratio_variance(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Figure:
     """Token-ratio variance (log) and the share of extreme tokens (|log w| > ln 2) per arm."""
     _require(metrics_df, ["ratio/token_var", "ratio/extreme_frac"], "ratio_variance")
-    arms = _arms(metrics_df, arms)
-    fig, axes = _figure(2)
+    arms = arms_to_draw(metrics_df, arms)
+    fig, axes = new_figure(2)
     curves(axes[0, 0], metrics_df, "ratio/token_var", arms, ylabel="variance of token ratio w (log)",
            title="token-ratio variance", log=True)
     curves(axes[0, 1], metrics_df, "ratio/extreme_frac", arms, ylabel=TOKENS,
@@ -293,7 +293,7 @@ def _sweep_lines(ax, table: pd.DataFrame, x: str, metric: str, series: str, *, y
         lo, hi = rows[f"{metric}_lo"].to_numpy(float), rows[f"{metric}_hi"].to_numpy(float)
         # Every sweep quantity drawn (clip shares, rewards, accuracies, expert change) lies in [0, 1]:
         # two-seed t-intervals reach far outside it and would only stretch the axis.
-        lo, hi = (_positive_floor(lo, mean) if log_y else np.maximum(lo, 0.0)), np.minimum(hi, 1.0)
+        lo, hi = (positive_floor(lo, mean) if log_y else np.maximum(lo, 0.0)), np.minimum(hi, 1.0)
         err = np.abs(np.nan_to_num(np.stack([lo, hi]) - mean[None, :]))
         ax.errorbar(rows[x].to_numpy(float), mean, yerr=err, marker="o", capsize=2, color=arm_color(name),
                     label=arm_label(name))
@@ -311,7 +311,7 @@ def clip_sweep(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, x: str = "rl.cli
               ("reward/mean", "mean reward per response", "training reward, last 25% of steps", False),
               ("eval/acc_greedy", "fraction of eval prompts solved", "final held-out accuracy, greedy", False)]
     panels = [p for p in panels if table[p[0]].notna().any()]
-    fig, axes = _figure(len(panels))
+    fig, axes = new_figure(len(panels))
     for ax, (metric, ylabel, title, log_y) in zip(axes[0], panels):
         _sweep_lines(ax, table, x, metric, series, ylabel=ylabel, log_y=log_y)
         ax.set_title(title)
@@ -333,7 +333,7 @@ def volatility_sweep(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, x: str = "
     change = volatility_metric(metrics_df)
     _require(metrics_df, [change, "reward/mean"], "volatility_sweep")
     table = sweep_table(metrics_df, eval_df, x, series)
-    fig, axes = _figure(3)
+    fig, axes = new_figure(3)
     ylabel = CHANGE + (" (latent)" if change.endswith("latent") else "")
     _sweep_lines(axes[0, 0], table, x, change, series, ylabel=ylabel)
     _sweep_lines(axes[0, 1], table, x, "reward/mean", series, ylabel="mean reward per response")

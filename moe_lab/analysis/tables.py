@@ -1,4 +1,6 @@
-"""Read experiment folders into tidy frames and summarise them over seeds (pandas only, no torch).
+"""Read experiment folders into tidy frames, and the reductions over steps and seeds (pandas only, no torch).
+
+``moe_lab.analysis.results`` (the summary table) and ``moe_lab.analysis.stability`` build on it.
 
 Layout read (written by the runner, see docs/metrics.md)::
 
@@ -8,7 +10,7 @@ Layout read (written by the runner, see docs/metrics.md)::
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
 the manifest's "status" ('collapsed' for a run a collapse rule stopped, including a 'failed' manifest written
 before that status existed: see runlog.run_status) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
-see moe_lab/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
+see moe_lab/rl/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
 means the paper's default for the algorithm, which a sweep plot needs as a number).
@@ -32,9 +34,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from moe_lab import health
+from moe_lab.rl import health
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.runlog import FINISHED, STATUS_FAILED, run_status
+from moe_lab.rl.runlog import FINISHED, STATUS_FAILED, run_status
 
 CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")
@@ -255,11 +257,11 @@ def reference_dir(sub: str = "", start: str | Path | None = None) -> Path:
 # --------------------------------------------------------------------------- aggregation
 
 
-def _run_keys(df: pd.DataFrame) -> list[str]:
+def run_keys(df: pd.DataFrame) -> list[str]:
     return [c for c in RUN_KEYS if c in df.columns]
 
 
-def _check_columns(df: pd.DataFrame, cols: Iterable[str], arg: str) -> None:
+def check_columns(df: pd.DataFrame, cols: Iterable[str], arg: str) -> None:
     missing = [c for c in cols if c not in df.columns]
     if missing:
         raise ValueError(f"{arg}: column(s) {missing} not in the frame; available: {sorted(map(str, df.columns))}")
@@ -268,8 +270,8 @@ def _check_columns(df: pd.DataFrame, cols: Iterable[str], arg: str) -> None:
 def per_run_step(df: pd.DataFrame, metric: str, by: Sequence[str] = ("arm",)) -> pd.DataFrame:
     """One value per run and step: the mean of that step's minibatch rows (columns by, run keys, step, metric)."""
     by = list(by)
-    _check_columns(df, [*by, "step", metric, *_run_keys(df)], "metric/by")
-    keys = list(dict.fromkeys([*by, *_run_keys(df), "step"]))
+    check_columns(df, [*by, "step", metric, *run_keys(df)], "metric/by")
+    keys = list(dict.fromkeys([*by, *run_keys(df), "step"]))
     return df.groupby(keys, dropna=False, sort=True)[metric].mean().reset_index()
 
 
@@ -283,7 +285,7 @@ def per_step(df: pd.DataFrame, metric: str, by: Sequence[str] = ("arm",)) -> pd.
 
 def last_frac_means(df: pd.DataFrame, metrics: Sequence[str], by: Sequence[str], last_frac: float) -> pd.DataFrame:
     """Per run, the mean of each metric over the last ceil(last_frac * steps) of that run's steps."""
-    keys = list(dict.fromkeys([*by, *_run_keys(df)]))
+    keys = list(dict.fromkeys([*by, *run_keys(df)]))
     present = [m for m in metrics if m in df.columns]
     steps = df.groupby(keys, dropna=False, sort=True)["step"]
     rank = steps.rank(method="dense", ascending=False)  # 1 = the run's last step
@@ -296,83 +298,16 @@ def last_frac_means(df: pd.DataFrame, metrics: Sequence[str], by: Sequence[str],
 
 def final_values(df: pd.DataFrame, metrics: Sequence[str], by: Sequence[str]) -> pd.DataFrame:
     """Per run, each metric at that run's last logged step (e.g. the final evaluation)."""
-    keys = list(dict.fromkeys([*by, *_run_keys(df)]))
+    keys = list(dict.fromkeys([*by, *run_keys(df)]))
     present = [m for m in metrics if m in df.columns]
     last = df[df["step"] == df.groupby(keys, dropna=False)["step"].transform("max")]
     out = last.groupby(keys, dropna=False, sort=True)[present].mean()
     return out.reindex(columns=list(metrics)).reset_index()
 
 
-def _group_ci(per_run: pd.DataFrame, cols: Sequence[str], by: list[str]) -> pd.DataFrame:
+def group_ci(per_run: pd.DataFrame, cols: Sequence[str], by: list[str]) -> pd.DataFrame:
     parts = []
     for col in cols:
         ci = _ci_columns(per_run.groupby(by, dropna=False, sort=True)[col])
         parts.append(ci[["mean", "lo", "hi"]].set_axis([col, f"{col}_lo", f"{col}_hi"], axis=1))
     return pd.concat(parts, axis=1) if parts else pd.DataFrame()
-
-
-def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[str] = ("arm",),
-              last_frac: float = 0.25) -> pd.DataFrame:
-    """One row per group (default: per arm), over its runs (seeds):
-
-    seeds, runs, runs_done (finished: 'done' or 'collapsed'); the final greedy/sampled eval accuracy (each run's last evaluation); and the
-    mean over the last ``last_frac`` of each run's steps of every SUMMARY_METRICS column. Each quantity q
-    gives q (mean over runs), q_lo and q_hi (95% t-interval over runs; NaN with a single run). A metric
-    absent from the frame gives NaN columns rather than an error: some runs do not log every metric.
-    Collapse (moe_lab/health.py): collapses (runs with a collapsed_at), collapse_rate with its Wilson 95%
-    interval collapse_rate_lo/_hi, collapse_step_median over the collapsed runs.
-    """
-    from moe_lab import stability  # it builds on this module's loaders and reductions
-
-    by = [by] if isinstance(by, str) else list(by)
-    if not by:
-        raise ValueError("by: expected at least one column name, e.g. ('arm',)")
-    if not 0.0 < last_frac <= 1.0:
-        raise ValueError(f"last_frac={last_frac!r}: allowed 0 < last_frac <= 1")
-    _check_columns(metrics_df, [*by, "step", "seed", "status"], "by")
-    if len(eval_df):
-        _check_columns(eval_df, [*by, "step"], "by")
-    keys = list(dict.fromkeys([*by, *_run_keys(metrics_df)]))
-    runs = metrics_df.groupby(keys, dropna=False, sort=True)[["seed", "status"]].first().reset_index()
-    counts = runs.groupby(by, dropna=False, sort=True).agg(
-        seeds=("seed", "nunique"), runs=("seed", "size"), runs_done=("status", lambda s: int(s.isin(FINISHED).sum())))
-    final = final_values(eval_df, SUMMARY_EVAL, by) if len(eval_df) else \
-        pd.DataFrame(columns=[*keys, *SUMMARY_EVAL])
-    tail = last_frac_means(metrics_df, SUMMARY_METRICS, by, last_frac)
-    final[list(SUMMARY_EVAL)] = final[list(SUMMARY_EVAL)].astype(float)
-    table = counts.join(stability.collapse_stats(metrics_df, by), how="left").join(
-        _group_ci(final, SUMMARY_EVAL, by), how="left").join(_group_ci(tail, SUMMARY_METRICS, by), how="left")
-    return table.reset_index()
-
-
-SHORT_NAMES = {"eval/acc_greedy": "acc greedy", "eval/acc_sampled": "acc sampled", "clip_frac/active": "clip active",
-               "clip_frac/out_of_range": "clip out", "ratio/token_var": "ratio var", "ratio/extreme_frac": "extreme",
-               "routing/expert_change": "expert chg", "routing/expert_change_latent": "latent chg",
-               "reward/mean": "reward"}
-
-
-def _fmt_ci(mean: float, lo: float, hi: float) -> str:
-    if not np.isfinite(mean):
-        return "-"
-    text = f"{mean:.3g}" if abs(mean) >= 1e-2 or mean == 0 else f"{mean:.2e}"
-    return text if not np.isfinite(lo) else f"{text} ±{(hi - lo) / 2:.2g}"
-
-
-def format_summary(df: pd.DataFrame) -> str:
-    """A compact terminal table of summarize()'s output: 'mean ±half-width' of each 95% interval."""
-    from moe_lab import stability
-
-    quantities = [q for q in (*SUMMARY_EVAL, *SUMMARY_METRICS) if q in df.columns]
-    lead = [c for c in df.columns if c not in quantities and not str(c).endswith(("_lo", "_hi"))
-            and c not in ("seeds", "runs", "runs_done", *stability.COLLAPSE_COLUMNS)]
-    out = df[lead].copy()
-    if "runs" in df:
-        out["done"] = [f"{d}/{n}" for d, n in zip(df["runs_done"], df["runs"])]
-    if "collapses" in df and df["collapses"].notna().any():
-        out["collapsed [95%]"] = [f"{k:.0f}/{n} [{lo:.2f}, {hi:.2f}]" if np.isfinite(k) else "-" for k, n, lo, hi in
-                                  zip(df["collapses"], df["runs"], df["collapse_rate_lo"], df["collapse_rate_hi"])]
-        out["collapse step"] = [f"{m:g}" if np.isfinite(m) else "-" for m in df["collapse_step_median"]]
-    for q in quantities:
-        if df[q].notna().any():
-            out[SHORT_NAMES.get(q, q)] = [_fmt_ci(m, lo, hi) for m, lo, hi in zip(df[q], df[f"{q}_lo"], df[f"{q}_hi"])]
-    return out.to_string(index=False)

@@ -1,6 +1,6 @@
 """Figures of Routing Replay's effect: the replay map and the replay-rescue head line.
 
-DataFrame in, Figure out (reads no files, never trains); built on moe_lab/plots.py's helpers and arm colours.
+DataFrame in, Figure out (reads no files, never trains); built on moe_lab/analysis/plots.py's helpers and arm colours.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab import replay_map, results, stability
-from moe_lab.plots import STEP, _arms, _figure, arm_color, arm_label, arm_linestyle, band, curves, figure_legend, styled
+from moe_lab.analysis import replay_map, results, stability
+from moe_lab.analysis.plots import (STEP, arms_to_draw, new_figure, arm_color, arm_label, arm_linestyle, band,
+                                    curves, figure_legend, styled)
 
 
 def _setting_label(factor, level) -> str:
@@ -29,7 +30,7 @@ def replay_map_figure(metrics_df: pd.DataFrame, eval_df: pd.DataFrame,
     table = replay_map.replay_map_table(metrics_df, eval_df, treatments=treatments)
     if not len(table):
         raise ValueError("replay_map: no setting has both a 'grpo' arm with ratio/routing_share and a treatment")
-    fig, axes = _figure(1, width=6.5, height=4.6)
+    fig, axes = new_figure(1, width=6.5, height=4.6)
     ax = axes[0, 0]
     for arm in [t for t in treatments if t in set(table["treatment"])]:
         rows = table[table["treatment"] == arm]
@@ -79,10 +80,10 @@ def rescue(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, arms: Sequence[str] 
     """The replay-rescue head line: training reward, held-out greedy accuracy, collapse survival, the
     per-step maximum token-ratio variance and pre-clip gradient norm (log), and the routing share of the
     log-ratio variance; every curve the mean over seeds with its 95% band."""
-    arms = _arms(metrics_df, arms)
+    arms = arms_to_draw(metrics_df, arms)
     step_max = (metrics_df.groupby(["arm", "seed", "step"], as_index=False)
                 [["ratio/token_var", "optim/grad_norm"]].max())
-    fig, axes = _figure(3, 2, width=4.2, height=3.2)
+    fig, axes = new_figure(3, 2, width=4.2, height=3.2)
     curves(axes[0, 0], metrics_df, "reward/mean", arms, ylabel="mean reward per response", title="training reward")
     _eval_curves(axes[0, 1], eval_df, arms)
     _survival(axes[0, 2], metrics_df, arms)

@@ -26,7 +26,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from moe_lab.runlog import atomic_write_bytes, atomic_write_text, fsync_path, read_rows, rows_digest
+from moe_lab.rl.runlog import atomic_write_bytes, atomic_write_text, fsync_path, read_rows, rows_digest
 
 MARKER = "state.json"
 SNAPSHOTS = "lagged.safetensors"

@@ -1,6 +1,6 @@
 """How one data-parallel step is split over the ranks and put back together (no torch.distributed here).
 
-``moe_lab.distributed`` runs the process group; this module holds what makes its table independent of the
+``moe_lab.rl.distributed`` runs the process group; this module holds what makes its table independent of the
 world size:
 - every prompt group is sampled under its own seed, a function of (seed, step, prompt index), so a group
   gets the same responses on whichever rank it lands (this sampling mode is used for every torchrun run,
@@ -12,28 +12,20 @@ world size:
   the same sequences on any split; update indices follow step.py (step*epochs*M + epoch*M + m);
 - metrics are combined with the weights that make them the global ones (tokens for token means, sequences
   for sequence means, law of total variance for variances, max for maxima, ``rollout_corr/ess`` recomputed
-  from each part's weight sums).
+  from each part's weight sums), as the module that makes each metric declares (its ``REDUCTIONS``).
 What a split cannot compute as the single-process step does is refused by ``check_data_parallel``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 import torch
 
+from moe_lab.algos import reductions as R
 from moe_lab.config import ConfigError, RunConfig
-
-SEQ_WEIGHTED = {"loss", "clip_frac/seq", "ratio/seq_mean", "reward/mean", "reward/zero_var_groups",
-                "kl/ref_reward_penalty", "response/length_mean", "routing/aux_loss", "objective/seq_ratio_mean"}
-# variance -> (its mean, weight kind): combined exactly by the law of total variance
-VARIANCES = {"ratio/token_var": ("ratio/token_mean", "tok"), "ratio/seq_var": ("ratio/seq_mean", "seq"),
-             "ratio/d_route_var": ("ratio/d_route_mean", "tok"), "ratio/d_weight_var": ("ratio/d_weight_mean", "tok")}
-# covariance -> (its two means): the law of total covariance, token-weighted
-COVARIANCES = {"ratio/d_cov": ("ratio/d_route_mean", "ratio/d_weight_mean")}
-STDS = {"reward/std": ("reward/mean", "seq")}
-SAME_ON_ALL_RANKS = {"optim/grad_norm", "optim/lr", "step", "epoch", "minibatch", "update"}
-
+from moe_lab.rl import seeds
 
 def check_data_parallel(cfg: RunConfig, world: int) -> None:
     """Refuse, in one line, what a split over ``world`` ranks cannot compute as the single-process step does."""
@@ -56,11 +48,6 @@ def check_data_parallel(cfg: RunConfig, world: int) -> None:
                           "the single-process step only); allowed: none, old, rollout")
 
 
-def group_seed(seed: int, step: int, prompt_index: int) -> int:
-    """Sampling seed of one prompt group: the same on whichever rank the group lands."""
-    return (seed * 1_000_003 + step * 7919 + prompt_index * 104_729 + 12_345) % (2 ** 63)
-
-
 def rank_groups(n_prompts: int, rank: int, world: int) -> range:
     """Contiguous block of prompt indices of one rank: rank order = global batch order."""
     per = n_prompts // world
@@ -76,7 +63,7 @@ def group_minibatch_indices(group_indices, group_size: int, minibatches: int, se
     """
     parts: list[list[torch.Tensor]] = [[] for _ in range(minibatches)]
     for j, gi in enumerate(group_indices):
-        gen = torch.Generator().manual_seed(group_seed(seed, step, gi) + 999_983 + epoch * 1_009)
+        gen = seeds.group_shuffle_generator(seed, step, gi, epoch)
         for m, chunk in enumerate(torch.randperm(group_size, generator=gen).chunk(minibatches)):
             parts[m].append(chunk + j * group_size)
     return [torch.cat(p) for p in parts]
@@ -119,11 +106,11 @@ def _pad_trace(trace, left: int, right: int):
 def join_step_data(parts: list, pad_token_id: int, replay: str):
     """One StepData from the StepData of single prompt groups (left-pad prompts, right-pad responses).
 
-    ``replay``: the run's rl.replay, which decides the forced trace as in step.collect.
+    ``replay``: the run's rl.replay; ``step.replay_traces`` decides the forced trace, as in step.collect.
     """
-    from moe_lab.rollout import RolloutBatch
+    from moe_lab.rl.rollout import RolloutBatch
     from moe_lab.routing import Trace
-    from moe_lab.step import StepData
+    from moe_lab.rl.collect import StepData, replay_traces
 
     if len(parts) == 1:
         return parts[0]
@@ -142,11 +129,8 @@ def join_step_data(parts: list, pad_token_id: int, replay: str):
         return Trace.cat([_pad_trace(t, l, r) for t, (l, r) in zip(traces, pads)])
 
     trace = cat_trace(lambda d: d.batch.trace)
-    # Keep collect()'s sharing, which update() relies on (`old_trace is forced_trace` under R2): old_trace is
-    # the rollout trace itself with old_logp=rollout, else its own (under R3 a copy carrying the old
-    # router's log-probs); the forced trace is one of the two, chosen by rl.replay as in collect().
-    old = trace if d0.old_trace is d0.batch.trace else cat_trace(lambda d: d.old_trace)
-    forced = {"none": None, "old": old, "rollout": trace}[replay]
+    # the reference joined on its own (when it is the rollout trace, a second copy of the same values)
+    forced, ref = replay_traces(replay, trace, cat_trace(lambda d: d.ref_trace))
     # right padding mimics generate(): pad tokens after EOS with attention 1 (never attended: causal)
     ids = torch.cat([_pad_cols(_pad_cols(d.batch.input_ids_BS, l, 0, pad_token_id), 0, r, pad_token_id)
                      for d, (l, r) in zip(parts, pads)])
@@ -160,49 +144,76 @@ def join_step_data(parts: list, pad_token_id: int, replay: str):
     # rollout-correction weights are 0 off the response mask (as rollout_correction returns them)
     is_weights = None if d0.is_weights_BT is None else cat(lambda d: d.is_weights_BT, 0.0)
     return StepData(batch, torch.cat([d.rewards_B for d in parts]), torch.cat([d.adv_B for d in parts]),
-                    cat(lambda d: d.logp_old_BT, 0.0), old, forced, {}, d0.norm_len, is_weights)
+                    cat(lambda d: d.logp_old_BT, 0.0), ref, forced, {}, d0.norm_len, is_weights)
 
 
 # ----------------------------------------------------------------------------- metrics across parts
 
+def reductions() -> dict[str, object]:
+    """Every metric's reduction across ranks, as declared by the module that makes it (algos/reductions.py)."""
+    from moe_lab.algos import ratio_metrics, rollout_correction
+    from moe_lab.algos.objectives import OBJECTIVES
+    from moe_lab.rl import collect, step
+    from moe_lab.routing import metrics, predictor
+
+    table = {**ratio_metrics.REDUCTIONS, **ratio_metrics.DECOMP_REDUCTIONS, **rollout_correction.REDUCTIONS,
+             **metrics.REDUCTIONS, **predictor.REDUCTIONS, **collect.REDUCTIONS, **step.REDUCTIONS}
+    for objective in OBJECTIVES.values():
+        table.update(objective.reductions)
+    return table
+
+
+def reduction_of(key: str, table: dict[str, object]):
+    """The declared reduction of metric ``key`` (a name, else the first fnmatch pattern that matches it)."""
+    if key in table:
+        return table[key]
+    for pattern, kind in table.items():
+        if fnmatch.fnmatchcase(key, pattern):
+            return kind
+    raise KeyError(f"metric {key!r} declares no reduction across ranks: add it to the REDUCTIONS of the module "
+                   "that makes it (moe_lab/algos/reductions.py lists the kinds)")
+
+
 def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
     """Global metrics from the metrics of disjoint parts of a batch: [(metrics, n_seq, n_tok)].
 
-    Token means are weighted by tokens, sequence means by sequences, variances and stds combined by the
-    law of total variance, maxima by max; perf/* take the slowest part. Parts list the same keys.
+    Each metric combines as its module declares (``reductions``): token means weighted by tokens, sequence
+    means by sequences, variances and stds by the law of total variance, maxima by max, timings by the
+    slowest part, ``rollout_corr/ess`` recomputed. Parts list the same keys.
     """
-    keys = list(parts[0][0])
+    table = reductions()
+    kinds = {k: reduction_of(k, table) for k in parts[0][0]}
     out: dict[str, float] = {}
-    for k in keys:
+    for k, kind in kinds.items():
         vals = [p[0][k] for p in parts]
-        if k in SAME_ON_ALL_RANKS:
+        if kind == R.SAME:
             # the same number on every rank, unless one rank's is NaN/inf: keep that one, so that the global
             # row shows the non-finite value the health rules must see
             out[k] = next((v for v in vals if isinstance(v, float) and not math.isfinite(v)), vals[0])
-        elif k.startswith("perf/") or "max" in k.split("/")[-1]:
+        elif kind in (R.MAX, R.SLOWEST):
             out[k] = max(vals)
-        elif "min" in k.split("/")[-1]:
+        elif kind == R.MIN:
             out[k] = min(vals)
-        else:
-            kind = "seq" if k in SEQ_WEIGHTED else VARIANCES.get(k, STDS.get(k, (None, "tok")))[1]
-            w = [p[1] if kind == "seq" else p[2] for p in parts]
-            out[k] = _weighted_mean(vals, w)
+        else:  # a mean; a variance, std, covariance or share starts as the mean of its parts, replaced below
+            weight = kind[-1] if isinstance(kind, tuple) else kind
+            out[k] = _weighted_mean(vals, [p[1] if weight == R.SEQ_MEAN else p[2] for p in parts])
     if "rollout_corr/ess" in out:
         out["rollout_corr/ess"] = _combined_ess(parts)
-    for table, is_std in ((VARIANCES, False), (STDS, True)):
-        for k, (mean_key, kind) in table.items():
-            if k in out and mean_key in out:
-                w = [p[1] if kind == "seq" else p[2] for p in parts]
-                second = [(p[0][k] ** 2 if is_std else p[0][k]) + p[0][mean_key] ** 2 for p in parts]
-                var = max(_weighted_mean(second, w) - out[mean_key] ** 2, 0.0)
-                out[k] = math.sqrt(var) if is_std else var
-    for k, (a, b) in COVARIANCES.items():
-        if k in out and a in out and b in out:
+    for k, kind in kinds.items():  # variances, stds and covariances around the combined means
+        if isinstance(kind, tuple) and kind[0] in ("var", "std") and kind[1] in out:
+            spread, mean_key, weight = kind
+            w = [p[1] if weight == R.SEQ_MEAN else p[2] for p in parts]
+            second = [(p[0][k] ** 2 if spread == "std" else p[0][k]) + p[0][mean_key] ** 2 for p in parts]
+            var = max(_weighted_mean(second, w) - out[mean_key] ** 2, 0.0)
+            out[k] = math.sqrt(var) if spread == "std" else var
+        elif isinstance(kind, tuple) and kind[0] == "cov" and kind[1] in out and kind[2] in out:
+            _, a, b, weight = kind
             second = [p[0][k] + p[0][a] * p[0][b] for p in parts]
-            out[k] = _weighted_mean(second, [p[2] for p in parts]) - out[a] * out[b]
-    if "ratio/routing_share" in out:  # a ratio of the combined variances, 0 when both are 0 (as per rank)
-        vr, vw = out["ratio/d_route_var"], out["ratio/d_weight_var"]
-        out["ratio/routing_share"] = vr / (vr + vw) if vr + vw > 0 else (0.0 if vr + vw == 0 else math.nan)
+            out[k] = _weighted_mean(second, [p[1] if weight == R.SEQ_MEAN else p[2] for p in parts]) - out[a] * out[b]
+    for k, kind in kinds.items():  # shares of two combined variances, 0 when both are 0 (as on one part)
+        if isinstance(kind, tuple) and kind[0] == "share":
+            vr, vw = out[kind[1]], out[kind[2]]
+            out[k] = vr / (vr + vw) if vr + vw > 0 else (0.0 if vr + vw == 0 else math.nan)
     return out
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import pandas as pd
 
 STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "running", "failed", "interrupted"
-# A run a collapse rule of moe_lab/health.py stopped: final like 'done' (never recomputed, counted as finished).
+# A run a collapse rule of moe_lab/rl/health.py stopped: final like 'done' (never recomputed, counted as finished).
 STATUS_COLLAPSED = "collapsed"
 FINISHED = (STATUS_DONE, STATUS_COLLAPSED)
 # The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed

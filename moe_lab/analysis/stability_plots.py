@@ -1,6 +1,6 @@
 """Figures of collapse and stability: survival, the stability atlas (experiments/atlas.yaml) and the
 head to head of experiments/stabilizers.yaml. DataFrame in, Figure out (reads no files); built on
-moe_lab/plots.py's helpers and arm colours.
+moe_lab/analysis/plots.py's helpers and arm colours.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from moe_lab import stability
-from moe_lab.plots import (STEP, _arms, _figure, _positive_floor, arm_color, arm_label, arm_linestyle, arm_order,
-                           curves, figure_legend, styled)
+from moe_lab.analysis import stability
+from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_linestyle, arm_order, arms_to_draw, curves,
+                                    figure_legend, new_figure, positive_floor, styled)
 
 # (arm_table column, axis label, log x)
 H2H_PANELS = (("acc_greedy", "final greedy accuracy", False),
@@ -29,7 +29,7 @@ def _bars(ax, table: pd.DataFrame, arms: Sequence[str], col: str, label: str, lo
     rows = table.set_index("arm").reindex(list(arms))
     mean, lo, hi = (rows[c].to_numpy(float) for c in (col, f"{col}_lo", f"{col}_hi"))
     if log:
-        lo = _positive_floor(lo, mean)
+        lo = positive_floor(lo, mean)
     err = np.abs(np.nan_to_num(np.stack([np.where(np.isnan(lo), mean, lo), np.where(np.isnan(hi), mean, hi)])
                                - mean[None, :]))
     y = np.arange(len(arms))
@@ -46,10 +46,10 @@ def _bars(ax, table: pd.DataFrame, arms: Sequence[str], col: str, label: str, lo
 def head_to_head(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Figure:
     """Every stabilizer side by side (stability.arm_table): the training-reward curve, then one bar panel
     per quantity, each arm's mean over seeds with its 95% interval (Wilson for the collapse rate)."""
-    arms = _arms(metrics_df, arms)
+    arms = arms_to_draw(metrics_df, arms)
     table = stability.arm_table(metrics_df[metrics_df["arm"].isin(arms)],
                                 eval_df[eval_df["arm"].isin(arms)] if len(eval_df) else eval_df)
-    fig, axes = _figure(4, 2, width=4.2, height=3.4)
+    fig, axes = new_figure(4, 2, width=4.2, height=3.4)
     curves(axes[0, 0], metrics_df, "reward/mean", arms, ylabel="mean reward per response", title="training reward")
     panels = [ax for ax in axes.flat][1:]
     for ax, (col, label, log) in zip(panels, H2H_PANELS):
@@ -79,9 +79,9 @@ def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Fig
     stability.survival_table (a run that ends uncollapsed is censored at its last step)."""
     if "collapsed_at" not in metrics_df:
         raise ValueError("survival: the frame has no collapsed_at column (read it with results.load_runs)")
-    arms = _arms(metrics_df, arms)
+    arms = arms_to_draw(metrics_df, arms)
     table = stability.survival_table(metrics_df[metrics_df["arm"].isin(arms)])
-    fig, axes = _figure(1, width=5.0)
+    fig, axes = new_figure(1, width=5.0)
     ax = axes[0, 0]
     for arm in arms:
         rows = table[table["arm"] == arm]
@@ -90,7 +90,7 @@ def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Fig
     ax.set(xlabel=STEP, ylabel="share of runs not yet collapsed", ylim=(-0.03, 1.05),
            title="survival (censored at each run's last step)")
     figure_legend(fig, ax)
-    fig.suptitle("Collapse survival per arm (rules: moe_lab/health.py)")
+    fig.suptitle("Collapse survival per arm (rules: moe_lab/rl/health.py)")
     return fig
 
 
@@ -143,7 +143,7 @@ def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = s
     # Wrap long designs (the shipped atlas has 12 factors) into blocks of ATLAS_WRAP columns.
     ncols = min(len(factors), ATLAS_WRAP)
     blocks = -(-len(factors) // ncols)
-    fig, axes = _figure(ncols, len(ATLAS_ROWS) * blocks, width=2.8, height=2.3)
+    fig, axes = new_figure(ncols, len(ATLAS_ROWS) * blocks, width=2.8, height=2.3)
     for j, factor in enumerate(factors):
         block, c = divmod(j, ncols)
         _atlas_column(axes[block * len(ATLAS_ROWS):(block + 1) * len(ATLAS_ROWS), c],

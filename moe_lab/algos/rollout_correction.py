@@ -26,7 +26,8 @@ import math
 import torch
 
 from moe_lab import constants as C
-from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
+from moe_lab.algos import reductions as R
+from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["MODES", "DEFAULT_BOUNDS", "METRIC_KEYS", "resolved_bounds", "rollout_correction"]
 
@@ -36,6 +37,9 @@ DEFAULT_BOUNDS = C.ROLLOUT_CORRECTION_BOUNDS
 MODES = C.ROLLOUT_CORRECTION_MODES
 METRIC_KEYS = ("rollout_corr/weight_mean", "rollout_corr/weight_max", "rollout_corr/truncated_frac",
                "rollout_corr/masked_frac", "rollout_corr/ess")
+REDUCTIONS = {"rollout_corr/weight_mean": R.TOKEN_MEAN, "rollout_corr/weight_max": R.MAX,
+              "rollout_corr/truncated_frac": R.TOKEN_MEAN, "rollout_corr/masked_frac": R.TOKEN_MEAN,
+              "rollout_corr/ess": R.ESS}  # across ranks (moe_lab/algos/reductions.py)
 
 
 def resolved_bounds(mode: str, upper: float | None = None, lower: float | None = None) -> tuple[float | None, float | None]:

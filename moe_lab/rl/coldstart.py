@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from moe_lab.config import RunConfig, validate
 from moe_lab.models import build_model, load_model, resolve_device
-from moe_lab.rollout import accuracy, forward_logits, token_logprobs
+from moe_lab.rl.rollout import accuracy, forward_logits, token_logprobs
 from moe_lab.tasks import Task, encode_response, get_task, task_tokenizer
 
 # Bump when the training recipe changes in a way the config cannot see: old cache entries then go stale.
@@ -265,7 +265,7 @@ def _move_aside(entry: Path, why: str) -> None:
 
 def _seal(tmp: Path) -> None:
     """fsync the entry's files, make it readable like any result (mkdtemp makes it 0700)."""
-    from moe_lab.runlog import fsync_path, public_mode
+    from moe_lab.rl.runlog import fsync_path, public_mode
 
     for f in tmp.rglob("*"):
         if f.is_file():
@@ -283,7 +283,7 @@ def _publish(tmp: Path, final: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     else:
-        from moe_lab.runlog import fsync_path
+        from moe_lab.rl.runlog import fsync_path
 
         fsync_path(final.parent)
     return final

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from moe_lab.algos import reductions as R
+
 __all__ = ["masked_mean", "masked_var", "k3_from_log_ratio", "policy_metrics", "METRIC_KEYS", "DECOMP_KEYS",
            "ratio_decomposition", "nan_decomposition"]
 
@@ -30,6 +32,15 @@ METRIC_KEYS = (
     "ratio/clamped_frac",
     "kl/k3",
 )
+# across ranks (moe_lab/algos/reductions.py): token means by tokens, sequence ones by sequences; the variances
+# exactly by the law of total variance, except logratio_var, only averaged (its mean is not logged)
+REDUCTIONS = {
+    **{key: R.TOKEN_MEAN for key in METRIC_KEYS},
+    "clip_frac/seq": R.SEQ_MEAN,
+    "ratio/seq_mean": R.SEQ_MEAN,
+    "ratio/token_var": R.variance_of("ratio/token_mean", R.TOKEN_MEAN),
+    "ratio/seq_var": R.variance_of("ratio/seq_mean", R.SEQ_MEAN),
+}
 
 # |d| > ln 2: the token's probability at least doubled or halved (arXiv:2510.11370's "extreme" token).
 EXTREME_LOG_RATIO = math.log(2.0)
@@ -121,6 +132,16 @@ def policy_metrics(
 
 DECOMP_KEYS = ("ratio/d_route_mean", "ratio/d_weight_mean", "ratio/d_route_var", "ratio/d_weight_var", "ratio/d_cov",
                "ratio/routing_share", "ratio/route_extreme_frac", "ratio/route_clip_exit_frac")
+# across ranks: the components' variances and covariance exactly (laws of total variance and covariance), the
+# share as the ratio of the combined variances
+DECOMP_REDUCTIONS = {
+    "ratio/d_route_mean": R.TOKEN_MEAN, "ratio/d_weight_mean": R.TOKEN_MEAN,
+    "ratio/d_route_var": R.variance_of("ratio/d_route_mean", R.TOKEN_MEAN),
+    "ratio/d_weight_var": R.variance_of("ratio/d_weight_mean", R.TOKEN_MEAN),
+    "ratio/d_cov": R.covariance_of("ratio/d_route_mean", "ratio/d_weight_mean", R.TOKEN_MEAN),
+    "ratio/routing_share": R.share_of("ratio/d_route_var", "ratio/d_weight_var"),
+    "ratio/route_extreme_frac": R.TOKEN_MEAN, "ratio/route_clip_exit_frac": R.TOKEN_MEAN,
+}
 
 
 @torch.no_grad()

@@ -4,8 +4,13 @@ advantages and mask to per-token loss terms (to MINIMISE) plus the objective's o
 ``losses.policy_loss`` does everything the objectives share, in one place: input checks, masking
 (every masked position is 0 before any arithmetic), the +-20 log-ratio clamp, rollout-correction
 weights, aggregation (``aggregate_loss``) and the shared metrics (``ratio_metrics.policy_metrics``).
-Adding an objective = one function here + one line in ``OBJECTIVES`` (+ its name in
-``constants.ALGOS`` and a default in ``constants.PAPER_CLIP``).
+Adding an objective = one function here + one entry in ``OBJECTIVES`` (+ its name in
+``constants.ALGOS`` and a default in ``constants.PAPER_CLIP``). An objective with knobs of its own declares
+them as a frozen dataclass of ``knob`` fields (default, bounds, help) and receives them as one object,
+``fn(inputs, params)``; ``policy_loss`` takes each as the keyword argument ``<prefix>_<field>`` (prefix: the
+entry's ``knob_prefix``, else its name; e.g. ``sapo_tau_pos``, ``dppo_ratio_cap``), checked against the
+declaration, and the run's config field of the same name (``rl.sapo_tau_pos``) feeds it
+(tests/test_objectives.py checks that the two declarations agree).
 
 | algo | per-token loss term L[i,t] (A = advantage, d = clamped log-ratio, w = exp(d)) | default clip | paper |
 |---|---|---|---|
@@ -28,32 +33,26 @@ Sequence-level objectives (gmpo, rspo) broadcast the per-sequence term over the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from moe_lab.algos.objective_params import (  # noqa: F401 - the defaults are re-exported
+    DPPO_RATIO_CAP_DEFAULT, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT, VESPO_SHAPE_DEFAULT,
+    DppoParams, NoParams, RspoParams, SapoParams, VespoParams, check_knob)
+from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
+from moe_lab.algos.reductions import SEQ_MEAN, TOKEN_MEAN
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
-__all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "OBJECTIVES", "RSPO_FLOOR_DEFAULT",
-           "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT", "VESPO_SHAPE_DEFAULT"]
+__all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "OBJECTIVES", "SapoParams", "RspoParams", "DppoParams",
+           "VespoParams", "knob_names", "make_params", "RSPO_FLOOR_DEFAULT", "SAPO_TAU_POS_DEFAULT",
+           "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT", "VESPO_SHAPE_DEFAULT"]
 
-# SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
-SAPO_TAU_POS_DEFAULT = 1.0
-SAPO_TAU_NEG_DEFAULT = 1.05
-# RSPO (arXiv:2510.23027) floors gamma so a token whose old experts moved is down-weighted, never
-# dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
-# our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
-RSPO_FLOOR_DEFAULT = 0.5
+
 _GRPO_METRIC_RANGE = PAPER_CLIP["grpo"]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
-# DPPO truncates the (detached) ratio at this cap (verl's clip_ratio_c). The authors' run script sets 10000
-# ("disable dual-clip PPO and TIS for a fair comparison"); verl's code cites the paper's section 5.4 for
-# a large cap (truncation biases the gradient). The value, like CISPO's, is built on logp_new itself.
-DPPO_RATIO_CAP_DEFAULT = 10000.0
-# VESPO's kernel shape (k_pos, lambda_pos, k_neg, lambda_neg): TRL's GRPOConfig defaults (vespo_k_pos ...).
-VESPO_SHAPE_DEFAULT = (2.0, 3.0, 3.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -67,13 +66,8 @@ class ObjectiveInputs:
     clip_low: float
     clip_high: float
     dual_clip_c: float | None = None
-    sapo_tau_pos: float = SAPO_TAU_POS_DEFAULT
-    sapo_tau_neg: float = SAPO_TAU_NEG_DEFAULT
-    rspo_floor: float = RSPO_FLOOR_DEFAULT
     router_gamma_BT: torch.Tensor | None = None  # 1 at masked positions; None = unchanged router
     logp_old_BT: torch.Tensor | None = None  # detached, 0 at masked positions (DPPO's probabilities)
-    dppo_ratio_cap: float = DPPO_RATIO_CAP_DEFAULT
-    vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE_DEFAULT  # (k_pos, lambda_pos, k_neg, lambda_neg)
 
 
 @dataclass
@@ -91,10 +85,13 @@ class ObjectiveTerms:
 
 @dataclass(frozen=True)
 class Objective:
-    fn: Callable[[ObjectiveInputs], ObjectiveTerms]
+    fn: Callable[[ObjectiveInputs, Any], ObjectiveTerms]  # (inputs, params) -> terms
+    params: type = NoParams  # a frozen dataclass of knob fields: the objective's own parameters
+    knob_prefix: str | None = None  # its knobs are <prefix>_<field> (default: the algo's name)
     sequence_level: bool = False  # one ratio per sequence built as a geometric mean (fold IS weights so)
     clip_low_max: float = 1.0  # exclusive upper bound on clip_low (cispo: any, ratios are >= 0)
     dual_clip: bool = False  # accepts dual_clip_c (the PPO-clip family only)
+    reductions: dict[str, str] = field(default_factory=dict)  # its own metrics across ranks (algos/reductions.py)
 
 
 # ---------------------------------------------------------------- the PPO-clip family
@@ -139,24 +136,24 @@ def _ppo_clip(x: ObjectiveInputs, log_ratio_BT: torch.Tensor, seq_clamped_B: tor
                           (x.clip_low, x.clip_high))
 
 
-def grpo(x: ObjectiveInputs) -> ObjectiveTerms:
+def grpo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """PPO clip on the token ratio w = exp(d)."""
     return _ppo_clip(x, x.d_BT, _none_B(x.d_BT))
 
 
-def gspo(x: ObjectiveInputs) -> ObjectiveTerms:
+def gspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """PPO clip on GSPO's length-normalised sequence ratio s_i, broadcast over the response."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
     return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
 
 
-def gspo_unnormalized(x: ObjectiveInputs) -> ObjectiveTerms:
+def gspo_unnormalized(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """Ablation: the sequence likelihood ratio exp(sum_t d) without GSPO's 1/|y_i|."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=False)
     return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
 
 
-def gspo_token(x: ObjectiveInputs) -> ObjectiveTerms:
+def gspo_token(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """GSPO-token: log s_it = sg[log s_i] + logp_it - sg[logp_it] (value s_i, gradient of token t's logp)."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
     log_ratio_BT = log_seq_B.detach().unsqueeze(-1) + (x.logp_new_BT - x.logp_new_BT.detach())
@@ -166,17 +163,17 @@ def gspo_token(x: ObjectiveInputs) -> ObjectiveTerms:
 # ---------------------------------------------------------------- SAPO
 
 
-def sapo(x: ObjectiveInputs) -> ObjectiveTerms:
+def sapo(x: ObjectiveInputs, p: SapoParams) -> ObjectiveTerms:
     """SAPO (arXiv:2511.20347): a soft gate instead of the hard clip.
 
-    f(w) = sigmoid(tau (w - 1)) * 4 / tau, L = -f(w) A, with tau = sapo_tau_pos for A > 0 and
-    sapo_tau_neg for A <= 0 (as verl: a zero advantage takes tau_neg; its term is 0 anyway).
+    f(w) = sigmoid(tau (w - 1)) * 4 / tau, L = -f(w) A, with tau = p.tau_pos (rl.sapo_tau_pos) for A > 0
+    and p.tau_neg for A <= 0 (as verl: a zero advantage takes tau_neg; its term is 0 anyway).
     df/dw = 4 sigma (1 - sigma) = 1 at w = 1, so on-policy SAPO is the plain policy gradient; the
     metric ``objective/sapo_gate_mean`` is the token mean of that factor (1 = no damping).
     The paper aggregates seq-mean-token-mean (the default); other loss_agg values are honoured.
     """
     # taus built in the log-ratios' dtype: a float32 1.05 would differ from the float64 one by 4e-8.
-    tau_BT = torch.where(x.adv_BT > 0, torch.full_like(x.d_BT, x.sapo_tau_pos), torch.full_like(x.d_BT, x.sapo_tau_neg))
+    tau_BT = torch.where(x.adv_BT > 0, torch.full_like(x.d_BT, p.tau_pos), torch.full_like(x.d_BT, p.tau_neg))
     ratio_BT = torch.exp(x.d_BT)
     sig_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0))
     gate_BT = sig_BT * (4.0 / tau_BT)
@@ -189,7 +186,7 @@ def sapo(x: ObjectiveInputs) -> ObjectiveTerms:
 # ---------------------------------------------------------------- CISPO
 
 
-def cispo(x: ObjectiveInputs) -> ObjectiveTerms:
+def cispo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """CISPO (MiniMax-M1, arXiv:2506.13585): L = -sg(clip(w, 1 - lo, 1 + hi)) A logp_new.
 
     The gradient never flows through the weight: every token keeps sg(w_clipped) A grad logp, none is
@@ -231,7 +228,7 @@ def _geometric_mean_terms(x: ObjectiveInputs, log_ratio_BT: torch.Tensor) -> Obj
                           _none_B(x.d_BT), (lo, hi), {"objective/seq_ratio_mean": ratio_B.detach().mean()})
 
 
-def gmpo(x: ObjectiveInputs) -> ObjectiveTerms:
+def gmpo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """GMPO (arXiv:2507.20673): geometric mean of token ratios clipped in log space, default +-0.4.
 
     As in the paper (and verl's ``geo_mean``) the clip range is on log(w): [-clip_low, clip_high],
@@ -240,7 +237,7 @@ def gmpo(x: ObjectiveInputs) -> ObjectiveTerms:
     return _geometric_mean_terms(x, x.d_BT)
 
 
-def rspo(x: ObjectiveInputs) -> ObjectiveTerms:
+def rspo(x: ObjectiveInputs, p: RspoParams) -> ObjectiveTerms:
     """RSPO (arXiv:2510.23027): GMPO with each token's ratio scaled by sg(max(gamma_t, floor)) BEFORE
     the token clip and the geometric mean; gamma_t = exp(-mean over layers and old top-k experts of
     |log p_router_new - log p_router_old|) comes from the caller (``router_gamma_BT``). Without it
@@ -250,33 +247,36 @@ def rspo(x: ObjectiveInputs) -> ObjectiveTerms:
         scaled_BT = x.d_BT
         gamma_BT = torch.ones_like(x.d_BT).detach()
     else:  # policy_loss already set masked positions to 1 (log 1 = 0 adds nothing)
-        gamma_BT = x.router_gamma_BT.detach().to(x.d_BT.dtype).clamp_min(x.rspo_floor)
+        gamma_BT = x.router_gamma_BT.detach().to(x.d_BT.dtype).clamp_min(p.floor)
         scaled_BT = x.d_BT + torch.log(gamma_BT)
     terms = _geometric_mean_terms(x, scaled_BT)
     raw_BT = gamma_BT if x.router_gamma_BT is None else x.router_gamma_BT.detach().to(x.d_BT.dtype)
     terms.metrics["objective/rspo_gamma_mean"] = masked_mean(gamma_BT, x.keep_BT)
-    terms.metrics["objective/rspo_floor_frac"] = masked_mean((raw_BT < x.rspo_floor).to(x.d_BT.dtype), x.keep_BT)
+    terms.metrics["objective/rspo_floor_frac"] = masked_mean((raw_BT < p.floor).to(x.d_BT.dtype), x.keep_BT)
     return terms
 
 
 # ---------------------------------------------------------------- DPPO
 
+_DPPO_REDUCTIONS = {"objective/dppo_divergence_mean": TOKEN_MEAN, "objective/dppo_truncated_frac": TOKEN_MEAN}
 
-def _dppo_terms(x: ObjectiveInputs, keep_grad_BT: torch.Tensor, divergence_BT: torch.Tensor) -> ObjectiveTerms:
+
+def _dppo_terms(x: ObjectiveInputs, p: DppoParams, keep_grad_BT: torch.Tensor,
+                divergence_BT: torch.Tensor) -> ObjectiveTerms:
     """DPPO's shared term: L = -A sg(min(w, cap)) logp_new on the tokens the divergence mask keeps."""
     ratio_BT = torch.exp(x.d_BT)
-    weight_BT = ratio_BT.clamp(max=x.dppo_ratio_cap).detach()
+    weight_BT = ratio_BT.clamp(max=p.ratio_cap).detach()
     # A multiplication by the 0/1 mask (not a where): a masked token keeps its loss value 0 * term, as verl.
     loss_BT = -x.adv_BT * weight_BT * x.logp_new_BT * keep_grad_BT.to(x.d_BT.dtype)
     dropped_BT = ~keep_grad_BT & x.keep_BT
-    truncated_BT = (ratio_BT.detach() > x.dppo_ratio_cap) & keep_grad_BT
+    truncated_BT = (ratio_BT.detach() > p.ratio_cap) & keep_grad_BT
     low, high = _GRPO_METRIC_RANGE  # the thresholds are not ratio bounds: clip_frac/low|high on GRPO's range
     return ObjectiveTerms(loss_BT, ratio_BT, dropped_BT, torch.zeros_like(dropped_BT), _none_B(x.d_BT), (low, high),
                           {"objective/dppo_divergence_mean": masked_mean(divergence_BT.detach(), x.keep_BT),
                            "objective/dppo_truncated_frac": masked_mean(truncated_BT.to(x.d_BT.dtype), x.keep_BT)})
 
 
-def dppo_tv(x: ObjectiveInputs) -> ObjectiveTerms:
+def dppo_tv(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
     """DPPO-Binary-TV (arXiv:2602.04879): PPO's ratio mask replaced by one on the sampled token's
     probability change p_new - p_old (the binary total-variation estimate): a token with A > 0 keeps its
     gradient while p_new - p_old <= clip_high, one with A <= 0 while p_new - p_old >= -clip_low; the
@@ -287,10 +287,10 @@ def dppo_tv(x: ObjectiveInputs) -> ObjectiveTerms:
     p_new_BT, p_old_BT = torch.exp(x.logp_new_BT.detach()), torch.exp(x.logp_old_BT)
     change_BT = p_new_BT - p_old_BT
     keep_grad_BT = torch.where(x.adv_BT > 0, change_BT <= x.clip_high, change_BT >= -x.clip_low) & x.keep_BT
-    return _dppo_terms(x, keep_grad_BT, change_BT.abs())
+    return _dppo_terms(x, p, keep_grad_BT, change_BT.abs())
 
 
-def dppo_kl(x: ObjectiveInputs) -> ObjectiveTerms:
+def dppo_kl(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
     """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL(Bern(p_old) || Bern(p_new))
     = p_old log(p_old / p_new) + (1 - p_old) log((1 - p_old) / (1 - p_new)) as the divergence; the mask
     only stops a move away on the advantage's side (A > 0: p_new > p_old and KL > clip_high; A <= 0:
@@ -303,13 +303,13 @@ def dppo_kl(x: ObjectiveInputs) -> ObjectiveTerms:
         + (1.0 - p_old_BT) * (torch.log(1.0 - p_old_BT + eps) - torch.log(1.0 - p_new_BT + eps))
     up_BT, down_BT = p_new_BT > p_old_BT, p_new_BT < p_old_BT
     blocked_BT = torch.where(x.adv_BT > 0, up_BT & (kl_BT > x.clip_high), down_BT & (kl_BT > x.clip_low))
-    return _dppo_terms(x, ~blocked_BT & x.keep_BT, kl_BT)
+    return _dppo_terms(x, p, ~blocked_BT & x.keep_BT, kl_BT)
 
 
 # ---------------------------------------------------------------- LUSPO and VESPO
 
 
-def luspo(x: ObjectiveInputs) -> ObjectiveTerms:
+def luspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """LUSPO (arXiv:2602.05261): GSPO's clipped sequence term scaled by the response length |y_i|, undoing
     the length bias of GSPO's 1/|y_i| mean (its gradient per token no longer shrinks with length).
     The factor goes into the broadcast term, so the default ``seq-mean-token-mean`` gives
@@ -317,15 +317,15 @@ def luspo(x: ObjectiveInputs) -> ObjectiveTerms:
     other loss_agg values multiply the factor into their own weighting (token-mean: |y_i|^2 / sum|y|).
     Dual clip is not offered (TRL's two-sided ``delta`` is a different bound).
     """
-    terms = gspo(x)
+    terms = gspo(x, NoParams())
     terms.loss_BT = terms.loss_BT * x.keep_BT.sum(dim=-1, keepdim=True).to(x.d_BT.dtype)
     return terms
 
 
-def vespo(x: ObjectiveInputs) -> ObjectiveTerms:
+def vespo(x: ObjectiveInputs, p: VespoParams) -> ObjectiveTerms:
     """VESPO (arXiv:2602.10693): a smooth kernel on the UNnormalised sequence ratio W_i = exp(sum_t d):
     phi(W) = W^k exp(lam (1 - W)) (phi(1) = 1, peak at W = k / lam), L = -sg(phi(W_i)) A logp_new;
-    (k, lam) = vespo_shape's (k_pos, lambda_pos) for A >= 0, (k_neg, lambda_neg) for A < 0 (TRL's split).
+    (k, lam) = (p.k_pos, p.lambda_pos) for A >= 0, (p.k_neg, p.lambda_neg) for A < 0 (TRL's split).
     As TRL's ``loss_type="vespo"``: log W clamped to [log 1e-8, 20] (TRL's bounds), phi computed in log
     space. Differences from TRL: TRL puts the vLLM rollout IS ratio inside W, here rollout-correction
     weights multiply the term like every objective's; TRL divides the token sum by the batch's token count
@@ -333,7 +333,7 @@ def vespo(x: ObjectiveInputs) -> ObjectiveTerms:
     parameters and aggregation are not in what we could read (its abstract): TRL's defaults are used.
     ``objective/vespo_phi_mean`` = mean over sequences of phi (TRL's vespo/phi_seq_mean).
     """
-    k_pos, lam_pos, k_neg, lam_neg = x.vespo_shape
+    k_pos, lam_pos, k_neg, lam_neg = p.k_pos, p.lambda_pos, p.k_neg, p.lambda_neg
     log_w_B = x.d_BT.sum(dim=-1)
     low = math.log(1e-8)
     seq_clamped_B = (log_w_B.detach() < low) | (log_w_B.detach() > LOG_RATIO_BOUND)
@@ -353,12 +353,40 @@ OBJECTIVES: dict[str, Objective] = {
     "gspo": Objective(gspo, dual_clip=True),
     "gspo_token": Objective(gspo_token, dual_clip=True),
     "gspo_unnormalized": Objective(gspo_unnormalized, dual_clip=True),
-    "sapo": Objective(sapo),
-    "cispo": Objective(cispo, clip_low_max=math.inf),
-    "gmpo": Objective(gmpo, sequence_level=True, clip_low_max=math.inf),
-    "rspo": Objective(rspo, sequence_level=True, clip_low_max=math.inf),
-    "dppo_tv": Objective(dppo_tv, clip_low_max=math.inf),
-    "dppo_kl": Objective(dppo_kl, clip_low_max=math.inf),
+    "sapo": Objective(sapo, SapoParams, reductions={"objective/sapo_gate_mean": TOKEN_MEAN}),
+    "cispo": Objective(cispo, clip_low_max=math.inf, reductions={"objective/cispo_weight_mean": TOKEN_MEAN}),
+    "gmpo": Objective(gmpo, sequence_level=True, clip_low_max=math.inf,
+                      reductions={"objective/seq_ratio_mean": SEQ_MEAN}),
+    "rspo": Objective(rspo, RspoParams, sequence_level=True, clip_low_max=math.inf,
+                      reductions={"objective/seq_ratio_mean": SEQ_MEAN, "objective/rspo_gamma_mean": TOKEN_MEAN,
+                                  "objective/rspo_floor_frac": TOKEN_MEAN}),
+    "dppo_tv": Objective(dppo_tv, DppoParams, "dppo", clip_low_max=math.inf, reductions=_DPPO_REDUCTIONS),
+    "dppo_kl": Objective(dppo_kl, DppoParams, "dppo", clip_low_max=math.inf, reductions=_DPPO_REDUCTIONS),
     "luspo": Objective(luspo),
-    "vespo": Objective(vespo),
+    "vespo": Objective(vespo, VespoParams, reductions={"objective/vespo_phi_mean": SEQ_MEAN}),
 }
+
+
+def knob_names(algo: str) -> list[str]:
+    """The keyword arguments of policy_loss (and rl.* config fields) of ``algo``'s own parameters."""
+    objective = OBJECTIVES[algo]
+    return [f"{objective.knob_prefix or algo}_{f.name}" for f in dataclasses.fields(objective.params)]
+
+
+def make_params(algo: str, knobs: dict[str, Any]):
+    """``algo``'s parameter object from ``<prefix>_<field>`` keyword arguments (defaults for those not given).
+
+    Knobs of the other objectives are checked against their declarations too, then ignored; an unknown
+    keyword is an error naming it."""
+    declared = {name: f for a, obj in OBJECTIVES.items()
+                for name, f in zip(knob_names(a), dataclasses.fields(obj.params))}
+    own = dict(zip(knob_names(algo), dataclasses.fields(OBJECTIVES[algo].params)))
+    values = {}
+    for name, value in knobs.items():
+        if name not in declared:
+            raise TypeError(f"policy_loss() got an unexpected keyword argument {name!r}; objective knobs: "
+                            f"{', '.join(declared)}")
+        checked = check_knob(name, value, dict(declared[name].metadata))
+        if name in own:
+            values[own[name].name] = checked
+    return OBJECTIVES[algo].params(**values)

@@ -1,6 +1,6 @@
 """``moe-lab run --backend ray``: the cells of an experiment as Ray tasks on a local or existing cluster.
 
-Same rules as the local backend (moe_lab/runner.py), whose plan and workers it reuses: every config is
+Same rules as the local backend (moe_lab/launch/runner.py), whose plan and workers it reuses: every config is
 validated before any work, finished cells are skipped, unfinished ones resume from their checkpoint, a
 folder of another config is refused unless --overwrite, and cold starts run once per distinct setup
 before the cells. Each cell is one task asking for ``threads`` CPUs (and a GPU when ``model.device`` is
@@ -16,8 +16,8 @@ import socket
 import sys
 from pathlib import Path
 
-from moe_lab.experiment import Cell
-from moe_lab.runlog import FINISHED, STATUS_COLLAPSED, STATUS_FAILED
+from moe_lab.launch.experiment import Cell
+from moe_lab.rl.runlog import FINISHED, STATUS_COLLAPSED, STATUS_FAILED
 
 PROBE_TIMEOUT_S = 3.0
 
@@ -87,8 +87,8 @@ def progress_line(done: int, running: int, failed: int, total: int, collapsed: i
 
 def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, str]:
     """A task Ray gave up on (its retries spent on dead nodes): say so in the run's manifest."""
-    from moe_lab.runlog import RunLog
-    from moe_lab.train import run_info
+    from moe_lab.rl.runlog import RunLog
+    from moe_lab.rl.loop import run_info
 
     log = RunLog(run_dir, run_info(cell.config, cell.run_id, cell.arm))
     log.write_manifest(STATUS_FAILED, f"ray: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -98,7 +98,7 @@ def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, 
 def run_experiment_ray(exp: dict, out: Path, *, address: str | None = None, max_retries: int = 3,
                        **kwargs) -> dict[str, str]:
     """runner.run_experiment with its cells run as Ray tasks: the same checks, plan, locks and summary."""
-    from moe_lab.runner import run_experiment
+    from moe_lab.launch.runner import run_experiment
 
     return run_experiment(exp, out, backend=RayCells(address, max_retries), **kwargs)
 
@@ -118,12 +118,12 @@ class RayCells:
         return f"Ray cluster {self.address or 'local'} ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
     def run(self, todo: list[Cell], runs_dir: Path, setups: list, progress: bool) -> dict[str, str]:
-        from moe_lab.runner import _coldstart_worker, _train_worker
+        from moe_lab.launch.runner import coldstart_worker, train_worker
 
         ray = connect(self.address)
-        cold = ray.remote(_coldstart_worker)
+        cold = ray.remote(coldstart_worker)
         ray.get([cold.options(max_retries=self.max_retries, **_resources(cfg)).remote(cfg) for cfg in setups])
-        task = ray.remote(_train_worker)
+        task = ray.remote(train_worker)
         pending = {task.options(max_retries=self.max_retries, **_resources(c.config)).remote(c, str(runs_dir / c.run_id)): c
                    for c in todo}
         return _wait_all(ray, pending, runs_dir, len(todo), progress)

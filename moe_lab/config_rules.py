@@ -1,0 +1,57 @@
+"""Cross-field rules of a run config that concern one feature each (task mixtures, replay options, rollout
+correction): ``config.validate`` calls them after every field passed its own check. Like the config, nothing
+here imports torch."""
+
+from __future__ import annotations
+
+from moe_lab import constants as C
+from moe_lab.errors import ConfigError
+
+
+def check_mixture(task) -> None:
+    if task.name != "mixture":
+        if task.mixture:
+            raise ConfigError(f"task.mixture={task.mixture!r} is set but task.name={task.name}; use task.name=mixture "
+                              "or leave task.mixture empty")
+        return
+    if len(set(task.mixture)) < 2 or len(set(task.mixture)) != len(task.mixture):
+        raise ConfigError(f"task.mixture={task.mixture!r}: task.name=mixture needs >= 2 distinct tasks of "
+                          f"{', '.join(C.SINGLE_TASKS)}")
+    if task.eval_size < len(task.mixture):
+        raise ConfigError(f"task.eval_size={task.eval_size}: a mixture of {len(task.mixture)} tasks needs "
+                          f">= {len(task.mixture)} (each sub-task holds out its share)")
+
+
+def check_replay_options(rl) -> None:
+    if rl.replay == "none" and (rl.replay_gate > 0 or rl.replay_gate_weights):
+        raise ConfigError("rl.replay_gate/replay_gate_weights apply to replayed routing; set rl.replay=old or rollout, "
+                          "or leave them at 0/false")
+    if rl.replay_gate > 0 and rl.replay_gate_weights:
+        raise ConfigError(f"rl.replay_gate={rl.replay_gate} with rl.replay_gate_weights=true: a replaced expert has no "
+                          "recorded weight; use one or the other")
+    if rl.replay == "predictive" and (rl.rollout_dtype != "float32" or rl.rollout_lag):
+        raise ConfigError("rl.replay=predictive samples with the trained policy's predictor heads; it needs "
+                          "rl.rollout_dtype=float32 and rl.rollout_lag=0 (a separate rollout copy holds no heads)")
+    if rl.freeze_router and rl.router_lr_mult != 1.0:
+        raise ConfigError(f"rl.router_lr_mult={rl.router_lr_mult} with rl.freeze_router=true: a frozen router has no "
+                          "learning rate; leave router_lr_mult at 1.0")
+
+
+def check_rollout_correction(rl) -> None:
+    mode = rl.rollout_correction
+    if mode == "none":
+        if rl.rollout_correction_upper is not None or rl.rollout_correction_lower is not None:
+            raise ConfigError("rl.rollout_correction_upper/lower are set but rl.rollout_correction=none; "
+                              "choose a mode (tis_token, tis_seq, mis_token, mis_seq, icepop) or leave them None")
+        return
+    if rl.old_logp == "rollout":
+        raise ConfigError(f"rl.rollout_correction={mode} needs rl.old_logp='old_forward' (with the rollout's own "
+                          "log-probs as logp_old there is no training-inference gap to correct)")
+    if mode.startswith("tis") and rl.rollout_correction_lower is not None:
+        raise ConfigError(f"rl.rollout_correction_lower={rl.rollout_correction_lower}: applies to mis_token, mis_seq "
+                          f"and icepop only, not {mode}; leave it None")
+    default_low, default_up = C.ROLLOUT_CORRECTION_BOUNDS[mode]
+    low = default_low if rl.rollout_correction_lower is None else rl.rollout_correction_lower
+    up = default_up if rl.rollout_correction_upper is None else rl.rollout_correction_upper
+    if low is not None and not low < up:
+        raise ConfigError(f"rl.rollout_correction_lower={low} must be < rl.rollout_correction_upper={up}")

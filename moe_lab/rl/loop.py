@@ -1,0 +1,250 @@
+"""One RL run: cold-started policy, the step loop, evaluation, checkpoints and a clean ending.
+
+A run never raises on a training pathology: NaN/inf and a collapsed reward end it with status ``collapsed``
+(final like ``done``: its last evaluation is of the policy it stopped with) and a reason in its manifest, so
+that one bad cell never takes down a batch of runs. The manifest also records
+``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/rl/health.py that fired (soft rules
+mark the run without stopping it unless rl.stop_on_collapse).
+
+This is the one loop of every run. A plain run (``moe-lab run``) goes through it with step.SingleProcess;
+torchrun (``python -m moe_lab.train``) with moe_lab.rl.distributed.DataParallel, which adds only what a
+process group needs: setup on rank 0 first, the world-size check of a resume, the batch split, the
+reduction of the ranks' metrics, and barriers. Only the writing process (rank 0) holds a run log.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
+from moe_lab.models import load_model, resolve_device
+from moe_lab.rl import checkpoint, health, seeds
+from moe_lab.rl.coldstart import cold_start
+from moe_lab.rl.optim import build_optimizer
+from moe_lab.rl.rollout import accuracy
+from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
+                               machine_info)
+from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
+from moe_lab.routing import predictor
+from moe_lab.tasks import get_task, load_tokenizer
+
+
+@dataclass
+class TrainState:
+    """Where a run stands: the keys of the checkpoint's state.json (read and written unchanged, so every
+    existing checkpoint resumes). rows/eval_rows count the rows of metrics.parquet/eval.parquet committed."""
+
+    step: int = 0  # next RL step to run
+    rows: int = 0
+    eval_rows: int = 0
+    wall_s: float = 0.0  # training wall time summed over sessions
+    extra: dict = field(default_factory=dict)  # other state.json keys (world_size, tables), kept as read
+
+    FIELDS = ("step", "rows", "eval_rows", "wall_s")
+
+    @classmethod
+    def from_dict(cls, state: dict | None) -> "TrainState":
+        """The state of a checkpoint.load() result; None (no checkpoint) is a fresh run."""
+        if state is None:
+            return cls()
+        return cls(**{k: state[k] for k in cls.FIELDS},
+                   extra={k: v for k, v in state.items() if k not in cls.FIELDS})
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.FIELDS}, **self.extra}
+
+
+def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
+    """Prompts of one step, a pure function of (seed, step): a resumed run draws the same ones."""
+    return task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
+
+
+def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
+    """The rollout copy takes the weights it samples with, cast to the rollout dtype (bf16 mismatch knob):
+    the oldest snapshot of the lag queue (rl.rollout_lag), or the trained weights when the queue is empty."""
+    if rollout_policy is policy:
+        return
+    source = lagged[0] if lagged else dict(policy.named_parameters())
+    with torch.no_grad():
+        for name, dst in rollout_policy.named_parameters():
+            dst.copy_(source[name])
+
+
+def _snapshot(policy) -> dict[str, torch.Tensor]:
+    """fp32 copy of the weights at the start of a step: what a rollout worker k steps behind would hold."""
+    return {name: p.detach().clone() for name, p in policy.named_parameters()}
+
+
+def _push_snapshot(lagged: collections.deque, snapshot: dict | None, lag: int) -> None:
+    """Keep the starts of the last `lag` steps: lagged[0] is then the policy of step t - lag (or the
+    initial weights while t < lag, as an asynchronous run starts with every worker on them)."""
+    if snapshot is None:
+        return
+    lagged.append(snapshot)
+    while len(lagged) > lag:
+        lagged.popleft()
+
+
+def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) -> dict:
+    t0 = time.perf_counter()
+    # Own seeded RNG stream: how often we evaluate must not change the rollouts that follow.
+    devices = [policy.device] if policy.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seeds.eval_seed(cfg.seed, step))
+        greedy = accuracy(policy, task, eval_prompts, greedy=True)
+        sampled = accuracy(policy, task, eval_prompts, greedy=False, temperature=cfg.rl.temperature)
+    return {"step": step, "eval/acc_greedy": greedy, "eval/acc_sampled": sampled,
+            "perf/eval_s": time.perf_counter() - t0}
+
+
+def _failure(rows: list[dict], state: health.HealthState, rl) -> tuple[str, health.HealthState]:
+    """The reason to stop after this step's rows ('' to go on), and the run's health after them."""
+    params, obs = health.CollapseParams.from_config(rl), health.observe(rows)
+    state = health.advance(state, params, obs)
+    return health.stop_reason(state, obs, params, rl.stop_on_collapse), state
+
+
+def _health(cfg: RunConfig, log: RunLog) -> health.HealthState:
+    """The health after the logged rows: recomputed, never checkpointed, so a resume needs no extra state."""
+    return health.replay(health.CollapseParams.from_config(cfg.rl), log.rows)
+
+
+def _claim(run_dir: Path, config_text: str) -> None:
+    """Write the run's config, or check that the folder already holds this very config (a resume)."""
+    if config_state(run_dir, config_text) == "other":
+        raise ConfigError(f"run folder {run_dir} holds a run of a different config; resuming it would mix two "
+                          "configs in one table: remove the folder or choose another")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", config_text)
+
+
+def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
+    return {"run_id": run_id, "arm": arm, "algo": cfg.rl.algo, "replay": cfg.rl.replay, "seed": cfg.seed}
+
+
+def _setup(cfg: RunConfig, progress: bool):
+    """Cold-started policy (and its tokenizer's task), rollout copy, reference model, optimizer."""
+    device = resolve_device(cfg.model.device)
+    model_dir = cold_start(cfg, progress=progress)
+    task = get_task(cfg.task, load_tokenizer(str(model_dir)))
+    policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(device)
+    policy.train(False)  # no dropout: the old and new forwards must be comparable
+    if cfg.rl.replay == "predictive":
+        predictor.install(policy)  # before any copy and before a resume loads the saved heads
+    ref_model = None
+    if cfg.rl.kl_coef > 0:
+        ref_model = copy.deepcopy(policy).requires_grad_(False)
+    rollout_policy = policy
+    if cfg.rl.rollout_dtype == "bfloat16" or cfg.rl.rollout_lag > 0:
+        rollout_dtype = getattr(torch, cfg.rl.rollout_dtype)
+        rollout_policy = copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False)
+    return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
+
+
+class PlainRun(SingleProcess):
+    """The run-level part of a plain run: one process, which sets up, resumes and writes alone."""
+
+    writer = True
+
+    def check(self, cfg: RunConfig) -> None:
+        """Refuse what this split cannot run (a plain run runs every valid config)."""
+
+    def setup(self, claim, setup):
+        claim()
+        return setup()
+
+    def resume_state(self, run_dir: Path, policy, optimizer) -> TrainState:
+        return TrainState.from_dict(checkpoint.load(run_dir / "checkpoint", policy, optimizer))
+
+    def broadcast(self, obj):
+        """The writer's object on every process."""
+        return obj
+
+    def barrier(self) -> None:
+        """Every process waits here for the others."""
+
+    def manifest_extra(self) -> dict:
+        return {}
+
+
+def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", progress: bool = False,
+          split=None) -> str:
+    """Run (or resume) one RL run in run_dir; returns its final status. ``split``: PlainRun() by default,
+    moe_lab.rl.distributed.DataParallel under torchrun."""
+    split = split or PlainRun()
+    validate(cfg)
+    split.check(cfg)
+    torch.set_num_threads(cfg.threads)
+    run_dir = Path(run_dir)
+    log = RunLog(run_dir, run_info(cfg, run_id, arm)) if split.writer else None
+    task, policy, rollout_policy, ref_model, optimizer = split.setup(lambda: _claim(run_dir, dump_yaml(cfg)),
+                                                                     lambda: _setup(cfg, progress))
+    torch.manual_seed(seeds.run_seed(cfg.seed))  # after setup: loading or warming up the model may draw numbers
+    state = split.resume_state(run_dir, policy, optimizer)
+    lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
+    if log:
+        log.load(state.rows, state.eval_rows)
+    # the health after the logged rows (only the writer holds them); from then on every process advances it
+    # on the same global rows, so that all stop at the same step
+    run_health = split.broadcast(_health(cfg, log) if log else None)
+    extra = split.manifest_extra()
+    if log:
+        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, machine=machine_info(),
+                           **run_health.manifest())
+    reason = _loop(cfg, task, (policy, rollout_policy, ref_model, optimizer), log, state, run_dir, run_health,
+                   lagged, split, _progress(range(state.step, cfg.rl.steps), progress, run_id))
+    status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
+    if log:
+        log.flush()
+        log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **extra, machine=machine_info(),
+                           **_health(cfg, log).manifest())
+    split.barrier()
+    return status
+
+
+def _loop(cfg, task, models, log: RunLog | None, state: TrainState, run_dir: Path, run_health, lagged, split,
+          steps) -> str:
+    policy, rollout_policy, ref_model, optimizer = models
+    eval_prompts = task.eval_prompts()
+    for step in steps:
+        t0 = time.perf_counter()
+        if log and step % cfg.rl.eval_every == 0:
+            log.add_eval(_evaluate(policy, task, eval_prompts, cfg, step))
+        snapshot = _snapshot(policy) if cfg.rl.rollout_lag else None
+        _sync_rollout_policy(policy, rollout_policy, lagged)
+        rows = rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg, step, step_prompts(task, cfg, step),
+                       first_update=step * updates_per_step(cfg), split=split)
+        _push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
+        state.wall_s += time.perf_counter() - t0
+        for r in rows if log else ():
+            log.add({**r, "perf/wall_s": state.wall_s})
+        state.step = step + 1
+        reason, run_health = _failure(rows, run_health, cfg.rl)  # the same rows on every process
+        if reason:
+            # The final accuracy of a stopped run must be the policy it stopped with, not its last
+            # scheduled evaluation from before the collapse.
+            if log:
+                log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
+            return reason
+        if state.step % cfg.rl.checkpoint_every == 0 or state.step == cfg.rl.steps:
+            if log:
+                if state.step == cfg.rl.steps:
+                    log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
+                state.rows, state.eval_rows = log.flush()
+                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
+            split.barrier()  # no process runs ahead of a checkpoint it might have to resume from
+    return ""
+
+
+def _progress(steps, enabled: bool, label: str):
+    if not enabled:
+        return steps
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, desc=label, leave=False)

@@ -1,0 +1,259 @@
+"""One RL step, the same for every algorithm: ``collect`` (moe_lab.rl.collect: rollout → rewards → old
+policy) → minibatch updates.
+
+The algorithm (``rl.algo``) is only an argument of ``policy_loss``; Routing Replay (``rl.replay``) only
+chooses which trace, if any, the update forwards are forced to follow (``collect.replay_traces``, the one
+place that reads the mode). Nothing else branches. ``rl_step`` runs one step over a batch split:
+``SingleProcess`` for a plain run, ``moe_lab.rl.distributed.DataParallel`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from moe_lab import constants as C
+from moe_lab.algos import reductions as R
+from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
+from moe_lab.algos.objectives import knob_names
+from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
+from moe_lab.config import RunConfig, resolved_clip
+from moe_lab.rl import seeds
+from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
+from moe_lab.rl.optim import set_lr
+from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
+from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
+                             router_logp_probe, router_shift, routing_metrics)
+from moe_lab.routing import predictor
+
+# across ranks (moe_lab/algos/reductions.py), the metrics of an update made here: the loss and the aux loss are
+# per-sequence means (seq-mean aggregations), the KL loss term only averaged (token-mean of a part: not exact)
+REDUCTIONS = {
+    "kl/ref": R.TOKEN_MEAN, "routing/aux_loss": R.SEQ_MEAN, "routing/expert_change_latent": R.TOKEN_MEAN,
+    "routing/replay_replace_frac": R.TOKEN_MEAN, "policy/entropy": R.TOKEN_MEAN, "loss": R.SEQ_MEAN,
+    "optim/grad_norm": R.SAME, "optim/lr": R.SAME, "perf/*": R.SLOWEST,
+    "step": R.SAME, "epoch": R.SAME, "minibatch": R.SAME, "update": R.SAME,  # a row's keys (rl_step)
+}
+
+
+class RouterShift:
+    """Router shift of one update forward against the reference routing's old router log-probs (RSPO).
+
+    ``current`` fills during the forward (a router_logp_probe), so ``gamma_BT()`` is valid once the model
+    has run: the loss reads it from the same forward it weights. Computed once, shared by loss and metrics.
+    """
+
+    def __init__(self, ref: Trace | None, current: RouterLogp, mask_BT: torch.Tensor):
+        self.ref, self.current, self.mask_BT = ref, current, mask_BT
+        self._result: tuple[torch.Tensor, dict[str, float]] | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.ref is not None and self.ref.router_logp_LBTK is not None
+
+    def _shift(self) -> tuple[torch.Tensor, dict[str, float]]:
+        if self._result is None:
+            self._result = router_shift(self.ref, self.current.at(self.ref.indices), self.mask_BT)
+        return self._result
+
+    def gamma_BT(self) -> torch.Tensor | None:
+        """exp(-shift) per token (1 off the mask), detached; None without a reference carrying router log-probs."""
+        return router_gamma(self._shift()[0]) if self.available else None
+
+    def metrics(self) -> dict[str, float]:
+        return self._shift()[1] if self.available else {}
+
+
+def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tensor,
+                 shift: RouterShift | None = None) -> dict[str, float]:
+    """routing/* of one update: change of the routing used, and of the router's own choice, vs ref;
+    router shift of the old top-k experts."""
+    out = load_metrics(used, mask)
+    if ref is not None:
+        out.update(routing_metrics(ref, used, mask))
+        out["routing/expert_change_latent"] = (out["routing/expert_change"] if latent is used else
+                                               routing_metrics(ref, latent, mask, prefix="")["expert_change"])
+        out.update(first_divergence(ref, latent, mask))
+    if shift is not None:
+        out.update(shift.metrics())
+    return out
+
+
+def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: RunConfig,
+                shift: RouterShift | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """Forward one minibatch (routing regime already in force): the total loss, its metrics and the
+    forward's token log-probs (detached)."""
+    rl, b = cfg.rl, data.batch
+    ids, attn, mask = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B], b.response_mask_BT[idx_B]
+    out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
+    logp_BT = token_logprobs(out.logits, ids, rl.temperature)
+    gamma_BT = shift.gamma_BT() if shift is not None else None  # this forward's router vs the old routing's
+    low, high = resolved_clip(rl)
+    is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[idx_B]
+    # router_gamma_BT: RSPO's router-shift weight; every other objective ignores it.
+    # the objective's own knobs: the rl.<prefix>_<field> fields its registry entry declares
+    knobs = {name: getattr(rl, name) for name in knob_names(rl.algo)}
+    loss, metrics = policy_loss(logp_BT, data.logp_old_BT[idx_B], data.adv_B[idx_B], mask, algo=rl.algo,
+                                clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
+                                norm_len=data.norm_len, router_gamma_BT=gamma_BT, is_weights_BT=is_weights_BT, **knobs)
+    metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
+    if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
+        with torch.no_grad():
+            ref_BT = token_logprobs(forward_logits(ref_model, ids, attn).logits, ids, rl.temperature)
+        kl = masked_mean(kl_penalty(logp_BT, ref_BT, mask, rl.kl_kind), mask)
+        loss = loss + rl.kl_coef * kl
+        metrics["kl/ref"] = float(kl.detach())
+    if rl.aux_loss_coef > 0:
+        loss = loss + rl.aux_loss_coef * out.aux_loss
+        metrics["routing/aux_loss"] = float(out.aux_loss.detach())
+    metrics["policy/entropy"] = float(masked_mean(token_entropy(out.logits, rl.temperature), mask))
+    return loss, metrics, logp_BT.detach()
+
+
+def _backward(policy, loss: torch.Tensor, grad_clip: float) -> float:
+    if not torch.isfinite(loss):
+        return float("nan")
+    loss.backward()
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+
+
+def _decomp_clip(rl) -> tuple[float, float]:
+    """Clip range of ratio/route_clip_exit_frac: the run's for token-ratio clips, else GRPO's paper range."""
+    return resolved_clip(rl) if rl.algo in C.TOKEN_CLIP_ALGOS else C.PAPER_CLIP["grpo"]
+
+
+def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | None, ref: Trace | None,
+                   logp_BT: torch.Tensor, cfg: RunConfig, step: int, update_idx: int) -> dict[str, float]:
+    """ratio/d_route_*, d_weight_*: the update forward's log-probs plus one no-grad forward under the routing
+    it did not use (the reference when it routed freely, the router's own choice when it replayed the
+    reference), same weights (before optimizer.step()), same autocast. Its router noise has its own
+    generator and fork_rng keeps any global-RNG draw (dropout, jitter) out of the training streams."""
+    every = cfg.rl.decomp_every
+    if ref is None or every == 0 or (update_idx + 1) % every:  # every N-th update: the N-th, 2N-th, ...
+        return nan_decomposition()
+    b = data.batch
+    ids, attn = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B]
+    gen = seeds.decomposition_generator(cfg.seed, step, update_idx)
+    cuda = [logp_BT.device] if logp_BT.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
+            routing_ctx(policy, ref if forced is None else None, cfg, gen), train_precision(policy, cfg):
+        other_BT = token_logprobs(forward_logits(policy, ids, attn).logits, ids, cfg.rl.temperature)
+    free_BT, ref_BT = (logp_BT, other_BT) if forced is None else (other_BT, logp_BT)
+    return ratio_decomposition(free_BT, ref_BT, data.logp_old_BT[idx_B], b.response_mask_BT[idx_B],
+                               *_decomp_clip(cfg.rl))
+
+
+def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cfg: RunConfig, step: int,
+           update_idx: int) -> dict[str, float]:
+    """One optimizer step on the minibatch idx_B (indices into the rollout batch); returns its metrics (the
+    update's row of the results table)."""
+    t0 = time.perf_counter()
+    lr = set_lr(optimizer, cfg.rl, update_idx)
+    gen = seeds.update_generator(cfg.seed, step, update_idx)
+    optimizer.zero_grad(set_to_none=True)
+    # backward runs inside the routing context: under gradient checkpointing the recomputed forward
+    # must see the same forced routing.
+    # each sliced on its own (under R2 they are one trace: the same values, sliced twice)
+    forced = data.forced_trace[idx_B] if data.forced_trace is not None else None
+    ref = data.ref_trace[idx_B] if data.ref_trace is not None else None
+    mask = data.batch.response_mask_BT[idx_B]
+    # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
+    ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
+    with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
+        shift = RouterShift(ref, current, mask)
+        with train_precision(policy, cfg):
+            loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
+        grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
+    metrics.update(_decomposition(policy, data, idx_B, forced, ref, logp_BT, cfg, step, update_idx))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
+    metrics.update(_routing_row(ref, used, latent, mask, shift))
+    if forced is not None and cfg.rl.replay_gate > 0:
+        metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
+    metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
+                    "perf/update_s": time.perf_counter() - t0})
+    return metrics
+
+
+def minibatch_indices(n: int, minibatches: int, seed: int, step: int, epoch: int = 0) -> list[torch.Tensor]:
+    """A seeded shuffle of the rollout batch split into equal minibatches; each epoch has its own order.
+
+    Epoch 0 keeps the salt of single-epoch runs, so rl.epochs=1 draws exactly the permutation it always did.
+    """
+    perm = torch.randperm(n, generator=seeds.shuffle_generator(seed, step, epoch))
+    return list(perm.chunk(minibatches))  # CPU index tensors: valid for CPU and CUDA tensors alike
+
+
+def updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer steps on one rollout batch: the first is on-policy, the other ones are stale."""
+    return cfg.rl.epochs * cfg.rl.minibatches
+
+
+class SingleProcess:
+    """The batch split of a plain run: one process holds the whole batch (its rollout sampled from torch's
+    global generator), minibatches are a seeded shuffle of it, and there is nothing to reduce.
+    ``moe_lab.rl.distributed.DataParallel`` supplies the same four methods (and the run-level ones of
+    ``moe_lab.rl.loop``) for a process group."""
+
+    def trained(self, policy):
+        """The module the updates run through (DDP's wrapper under torchrun)."""
+        return policy
+
+    def collect(self, policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int,
+                prompts: list[str]) -> tuple[StepData, dict, float]:
+        """The step's data, the batch-level metrics of its rows, and its response tokens (perf/tokens_per_s)."""
+        data = collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+        return data, data.batch_metrics, float(data.batch.response_len_B.sum())
+
+    def schedule(self, data: StepData, cfg: RunConfig, step: int, first_update: int):
+        """(epoch, minibatch, update index, idx_B) of every update of one step, in order."""
+        mb, n = cfg.rl.minibatches, data.batch.input_ids_BS.shape[0]
+        for epoch in range(cfg.rl.epochs):
+            for m, idx_B in enumerate(minibatch_indices(n, mb, cfg.seed, step, epoch)):
+                yield epoch, m, first_update + epoch * mb + m, idx_B
+
+    def checked(self, metrics: dict, step: int, update_idx: int, first_update: int) -> dict:
+        """An update's metrics as the split sees them (a test hook under torchrun)."""
+        return metrics
+
+    def all_finite(self, metrics: dict, device) -> bool:
+        """Whether the step's updates may go on: a finite loss and gradient norm (on every process)."""
+        return math.isfinite(metrics["loss"]) and math.isfinite(metrics["optim/grad_norm"])
+
+    def reduce(self, updates: list[tuple[tuple, dict, torch.Tensor]], data: StepData) -> list[tuple[tuple, dict]]:
+        """[((epoch, minibatch, update), metrics)] of the whole batch from this process's updates."""
+        return [(key, metrics) for key, metrics, _ in updates]
+
+
+@torch.no_grad()
+def _pr2_observe(policy, data: StepData, cfg: RunConfig) -> predictor.Observation:
+    """Router inputs and logits before the updates, under the replayed (predicted) rollout routing."""
+    b = data.batch
+    with replay(policy, data.forced_trace, gate=cfg.rl.replay_gate), predictor.observe(policy, b.response_mask_BT) as observed:
+        forward_logits(policy, b.input_ids_BS, b.attention_mask_BS)
+    return observed
+
+
+def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
+            first_update: int, split=None) -> list[dict]:
+    """Collect one rollout batch and run epochs x minibatches updates over ``split`` (default: the plain
+    run's ``SingleProcess``); one row per update, the same on every process."""
+    split = split or SingleProcess()
+    t0 = time.perf_counter()
+    data, batch_metrics, tokens = split.collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
+    observed = _pr2_observe(policy, data, cfg) if cfg.rl.replay == "predictive" else None  # refused under torchrun
+    trained, updates = split.trained(policy), []
+    for epoch, m, u, idx_B in split.schedule(data, cfg, step, first_update):
+        metrics = split.checked(update(trained, ref_model, optimizer, data, idx_B, cfg, step, u), step, u, first_update)
+        updates.append(((epoch, m, u), metrics, idx_B))
+        if not split.all_finite(metrics, policy.device):
+            break
+    reduced = split.reduce(updates, data)
+    pr2 = {} if observed is None else predictor.fit(policy, observed)  # learn this step's router drift
+    wall = time.perf_counter() - t0
+    return [{"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics, **pr2,
+             "perf/step_s": wall, "perf/tokens_per_s": tokens / wall} for (epoch, m, u), metrics in reduced]

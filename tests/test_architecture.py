@@ -1,0 +1,129 @@
+"""The house rules of the package layout (docs/architecture.md), checked on the source with ast:
+no import circle between modules, no private name imported across modules, and each layer imports only
+the layers below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import moe_lab
+
+PKG = Path(moe_lab.__file__).resolve().parent
+# layer of each top-level part of moe_lab: a module may import from its own layer or a lower one
+LAYERS = {"errors": 0, "constants": 0, "yaml_io": 0, "config_rules": 0, "config": 1, "algos": 2, "models": 2, "routing": 3,
+          "tasks": 2, "rl": 4, "launch": 5, "analysis": 5, "train": 6, "cli": 6}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    """The module a dotted import name refers to (old flat aliases resolved to where the code lives)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] == "moe_lab" and parts[1] in moe_lab.MOVED:
+        parts = ["moe_lab", *moe_lab.MOVED[parts[1]].split("."), *parts[2:]]
+    return ".".join(parts)
+
+
+def _imports(module: str, path: Path):
+    """(imported module, imported names, whether at module level) of every moe_lab import in a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe_lab"):
+            base = _resolve(node.module)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if _resolve(sub) in MODULES:
+                    yield _resolve(sub), [], id(node) in top
+                else:
+                    yield base, [alias.name], id(node) in top
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("moe_lab.") and _resolve(alias.name) in MODULES:
+                    yield _resolve(alias.name), [], id(node) in top
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the moe_lab modules it imports (at any level: a deferred import is still a dependency)."""
+    return {m: {dep for dep, _, _ in _imports(m, p) if dep != m and dep in MODULES} for m, p in MODULES.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str):
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(graph[m]):
+            # a package's __init__ re-exporting its own submodules is not a circle
+            if dep.startswith(m + ".") or m.startswith(dep + "."):
+                continue
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    assert _cycle(_graph()) is None, f"import circle: {' -> '.join(_cycle(_graph()))}"
+
+
+def test_cycle_finder_finds_a_planted_circle():
+    graph = {"moe_lab.a": {"moe_lab.b"}, "moe_lab.b": {"moe_lab.c"}, "moe_lab.c": {"moe_lab.a"}}
+    assert _cycle(graph) == ["moe_lab.a", "moe_lab.b", "moe_lab.c", "moe_lab.a"]
+
+
+def test_no_private_name_imported_across_modules():
+    bad = [f"{m} imports {dep}.{name}" for m, p in MODULES.items() for dep, names, _ in _imports(m, p)
+           for name in names if name.startswith("_") and not name.startswith("__") and dep != m]
+    assert not bad, "\n".join(bad)
+
+
+def _layer(module: str) -> int:
+    return LAYERS[module.split(".")[1]] if module != "moe_lab" else 99
+
+
+def test_layers_import_downwards_only():
+    bad = [f"{m} (layer {_layer(m)}) imports {dep} (layer {_layer(dep)})" for m, p in MODULES.items()
+           if m != "moe_lab" for dep, _, _ in _imports(m, p)
+           if dep in MODULES and dep != "moe_lab" and _layer(dep) > _layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_subpackage_says_what_it_is():
+    for init in PKG.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+        assert doc and len(doc.split()) >= 20, f"{init.relative_to(PKG.parent)}: a one-paragraph docstring"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_and_function_sizes(module):
+    path = MODULES[module]
+    text = path.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 420, f"{module}: {len(text.splitlines())} lines (house rule: < ~400)"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 65]
+    assert not long, f"{module}: functions over ~60 lines: {long}"
