@@ -82,3 +82,19 @@ def test_factors_vary_one_at_a_time_around_a_shared_base():
 def test_factor_errors_name_the_entry(bad, match):
     with pytest.raises(ConfigError, match=match):
         expand(bad)
+
+
+def test_a_run_written_before_a_field_existed_is_the_same_config(tmp_path):
+    """config.yaml files of finished runs (committed references) lack fields added since: read back with their
+    defaults they are the same config, so adding a field never makes them conflicts; a changed value still is."""
+    from moe_lab.config import RunConfig, dump_yaml
+    from moe_lab.rl.runlog import config_state
+
+    text = dump_yaml(RunConfig())
+    older = "".join(line for line in text.splitlines(keepends=True) if "decomp_every" not in line)
+    assert older != text
+    (tmp_path / "config.yaml").write_text(older)
+    assert config_state(tmp_path, text) == "same"
+    (tmp_path / "config.yaml").write_text(older.replace("steps: 40", "steps: 41"))
+    assert config_state(tmp_path, text) == "other"
+    assert config_state(tmp_path / "none", text) == "new"
