@@ -78,13 +78,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+    except BaseException:
+        _discard(tmp)
+        raise
+    _publish(tmp, path)
+
+
+def _publish(tmp: str, path: Path) -> None:
+    """Move a written, fsynced temp file into place (0644, folder fsynced); the temp file never stays behind."""
+    try:
         public_mode(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: str) -> None:
+    if os.path.exists(tmp):
+        os.unlink(tmp)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -103,13 +116,10 @@ def atomic_write_parquet(path: Path, rows: list[dict]) -> None:
         frame.to_parquet(tmp, index=False, compression="zstd", compression_level=19, use_dictionary=text_columns,
                          write_statistics=False, store_schema=False)
         fsync_path(tmp)
-        public_mode(tmp)
-        os.replace(tmp, path)
-        fsync_path(path.parent)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _discard(tmp)
         raise
+    _publish(tmp, path)
 
 
 def read_rows(path: Path) -> list[dict]:
