@@ -146,6 +146,12 @@ class RLConfig:
                            "epochs * minibatches - 1 updates per batch are off-policy (staleness)", ge=1)
     rollout_lag: int = param(0, "rollouts sampled by the policy of this many steps earlier (asynchronous RL); "
                                 "logp_old and R2's trace still come from the current policy", ge=0)
+    rollout_seeding: str = param("per_group", "how rollouts draw their random numbers: per_group samples each "
+                                              "prompt group under its own seed (seed, step, prompt index), so a "
+                                              "plain run and any torchrun world size sample the same responses; "
+                                              "sequential (plain runs only) samples the whole batch from one "
+                                              "run-long generator, as runs made before 2026-11-30 did",
+                                 choices=C.ROLLOUT_SEEDINGS)
     temperature: float = param(1.0, "sampling temperature of the rollout", gt=0.0)
     lr: float = param(1e-4, "AdamW learning rate (1e-3 collapses the sort task within 5 steps at this scale)", gt=0.0)
     router_lr_mult: float = param(1.0, "learning-rate multiplier of the router weights (volatility knob)", gt=0.0)
@@ -330,6 +336,24 @@ def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any
         else:
             kwargs[f.name] = data[f.name]
     return cls(**kwargs)
+
+
+# A run folder's config.yaml lists every field of the code that wrote it, so a field it lacks was added later.
+# A new field's default normally does what the older code did; these did not (the new default changes results),
+# and a config.yaml written before the field existed ran with the value given here.
+LEGACY_VALUES = {"rl.rollout_seeding": "sequential"}  # plain runs before 2026-11-30 (moe_lab/rl/groups.py)
+
+
+def upgrade_run_config(data: dict) -> dict:
+    """A run folder's config.yaml as the current code reads it: fields added since it was written take the value
+    it ran with (LEGACY_VALUES), else their default (from_dict). Not for user configs: a field a user leaves out
+    means its default."""
+    out = yaml.safe_load(yaml.safe_dump(data or {}))
+    for key, value in LEGACY_VALUES.items():
+        section, name = key.split(".")
+        if isinstance(out.get(section), dict) and name not in out[section]:
+            out[section][name] = value
+    return out
 
 
 def _parse_scalar(text: str) -> Any:

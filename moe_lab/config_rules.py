@@ -29,9 +29,9 @@ def check_replay_options(rl) -> None:
     if rl.replay_gate > 0 and rl.replay_gate_weights:
         raise ConfigError(f"rl.replay_gate={rl.replay_gate} with rl.replay_gate_weights=true: a replaced expert has no "
                           "recorded weight; use one or the other")
-    if rl.replay == "predictive" and (rl.rollout_dtype != "float32" or rl.rollout_lag):
-        raise ConfigError("rl.replay=predictive samples with the trained policy's predictor heads; it needs "
-                          "rl.rollout_dtype=float32 and rl.rollout_lag=0 (a separate rollout copy holds no heads)")
+    if rl.replay == "predictive" and rl.rollout_lag:
+        raise ConfigError(f"rl.replay=predictive with rl.rollout_lag={rl.rollout_lag}: the sampler routes by the "
+                          "predictor heads of the current step (a lagged copy keeps no old heads); allowed: 0")
     if rl.freeze_router and rl.router_lr_mult != 1.0:
         raise ConfigError(f"rl.router_lr_mult={rl.router_lr_mult} with rl.freeze_router=true: a frozen router has no "
                           "learning rate; leave router_lr_mult at 1.0")

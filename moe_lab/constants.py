@@ -35,6 +35,7 @@ KL_MODES = ("loss", "reward")
 WHITEN_MODES = ("group", "batch")
 REPLAY_MODES = ("none", "old", "rollout", "predictive")
 OLD_LOGP_SOURCES = ("old_forward", "rollout")
+ROLLOUT_SEEDINGS = ("per_group", "sequential")
 
 # Rollout correction (moe_lab/algos/rollout_correction.py): (lower, upper) when the config leaves them None.
 # TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5.

@@ -110,6 +110,22 @@ def test_two_ranks_give_the_one_rank_table(dp_runs):
         assert m["status"] == "done" and {k: m[k] for k in health_now} == health_now
 
 
+def test_a_plain_run_is_a_one_rank_torchrun(dp_runs, tmp_path):
+    """moe-lab run samples every prompt group under its own seed and takes the same group-local minibatches as
+    torchrun: a plain run's tables equal the 1-rank torchrun's bit for bit (timings and the run id aside)."""
+    from moe_lab.rl.distributed import load_run_config
+    from moe_lab.rl.loop import train
+
+    config, outs, _ = dp_runs
+    assert train(load_run_config(str(config), []), tmp_path / "plain", run_id=outs[1].name) == "done"
+    for table in ("metrics.parquet", "eval.parquet"):
+        a, b = pd.read_parquet(outs[1] / table), pd.read_parquet(tmp_path / "plain" / table)
+        timing = [c for c in a.columns if c.startswith("perf/")]
+        pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing), check_exact=True)
+    manifest = json.loads((tmp_path / "plain" / "manifest.json").read_text())
+    assert manifest["status"] == "done" and "world_size" not in manifest
+
+
 @pytest.mark.slow
 def test_other_world_size_is_refused_on_resume(dp_runs):
     config, outs, _ = dp_runs
@@ -265,7 +281,8 @@ def test_combined_ess_equals_the_whole_batch_ess():
                                              ("rl.group_size=3", "rl.group_size"),
                                              ("rl.loss_agg=token-mean", "rl.loss_agg"),
                                              ("rl.whiten=batch", "rl.whiten"),
-                                             ("rl.replay=predictive", "rl.replay")])
+                                             ("rl.replay=predictive", "rl.replay"),
+                                             ("rl.rollout_seeding=sequential", "rl.rollout_seeding")])
 def test_what_cannot_split_is_refused_in_one_line(override, field):
     cfg = validate(from_dict(apply_overrides(SMOKE["base"], [override])))
     with pytest.raises(ConfigError, match=field) as err:
@@ -293,17 +310,12 @@ def test_overrides_may_follow_out(tmp_path):
     assert args.out == "d" and load_run_config(args.config, args.overrides).rl.steps == 5
 
 
-def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0, old_copy: bool = False):
-    """StepData of one prompt group: prompt length P, N generated columns, traces on T = P + N - 1.
-
-    old_copy: as collect() under old_forward + R3: ref_trace is a copy of the rollout trace carrying the old
-    router's log-probs, the forced trace the rollout trace itself, and rollout-correction weights are set.
-    """
+def _group_batch(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 0, router_logp: bool = False):
+    """RolloutBatch of one prompt group: prompt length P, N generated columns, a trace on T = P + N - 1."""
     import torch
 
     from moe_lab.rl.rollout import RolloutBatch
     from moe_lab.routing import Trace
-    from moe_lab.rl.step import StepData
 
     g = torch.Generator().manual_seed(seed)
     S, T = P + N, P + N - 1
@@ -312,59 +324,38 @@ def _group_data(P: int, N: int, G: int = 2, L: int = 2, K: int = 2, seed: int = 
     ids = torch.randint(3, 9, (G, S), generator=g)
     trace = Trace(torch.randint(0, 4, (L, G, T, K), generator=g).to(torch.uint8), torch.rand(L, G, T, K, generator=g),
                   num_experts=4, family="qwen3_moe")
-    batch = RolloutBatch(["p"] * G, ["c"] * G, ids, torch.ones(G, S, dtype=torch.long), resp,
-                         torch.rand(G, T, generator=g), trace, resp.sum(-1))
-    old, is_weights_BT = trace, None
-    if old_copy:
-        old = trace.with_router_logp(-torch.rand(L, G, T, K, generator=g))
-        is_weights_BT = torch.where(resp, torch.rand(G, T, generator=g) + 0.5, torch.zeros(G, T))
-    return StepData(batch, torch.rand(G, generator=g), torch.rand(G, generator=g), torch.rand(G, T, generator=g),
-                    old, trace, {}, 8, is_weights_BT)
+    if router_logp:
+        trace = trace.with_router_logp(-torch.rand(L, G, T, K, generator=g))
+    return RolloutBatch(["p"] * G, ["c"] * G, ids, torch.ones(G, S, dtype=torch.long), resp,
+                        torch.rand(G, T, generator=g), trace, resp.sum(-1))
 
 
-def test_joined_groups_keep_every_token_at_its_place():
-    """Groups of other prompt and response lengths: prompts left-padded, responses right-padded, masks off."""
-    import torch
+@pytest.mark.parametrize("router_logp", [False, True])
+def test_joined_groups_keep_every_token_at_its_place(router_logp):
+    """Groups of other prompt and response lengths: prompts left-padded, responses right-padded, masks off;
+    the trace (router log-probs included) and the sampler's log-probs each at their place."""
+    from moe_lab.rl.groups import join_batches
 
-    from moe_lab.rl.distributed import join_step_data
-
-    parts = [_group_data(3, 4, seed=1), _group_data(5, 2, seed=2)]
-    joined = join_step_data(parts, pad_token_id=0, replay="rollout")
-    b = joined.batch
-    assert b.input_ids_BS.shape == (4, 5 + 4) and joined.logp_old_BT.shape == (4, 8)
-    assert joined.forced_trace is b.trace  # R3 forces the joined rollout trace; the reference holds its values
-    assert torch.equal(joined.ref_trace.indices, b.trace.indices) and torch.equal(joined.ref_trace.weights, b.trace.weights)
+    parts = [_group_batch(3, 4, seed=1, router_logp=router_logp), _group_batch(5, 2, seed=2, router_logp=router_logp)]
+    b = join_batches(parts, pad_token_id=0)
+    assert b.input_ids_BS.shape == (4, 5 + 4) and b.logp_rollout_BT.shape == (4, 8)
+    assert (b.trace.router_logp_LBTK is None) == (not router_logp)
     for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
         i = r % 2
-        S, T = d.batch.input_ids_BS.shape[1], d.logp_old_BT.shape[1]
-        assert (b.input_ids_BS[r, left:left + S] == d.batch.input_ids_BS[i]).all()
-        assert (b.attention_mask_BS[r, :left] == 0).all()
-        assert (joined.logp_old_BT[r, left:left + T] == d.logp_old_BT[i]).all()
-        assert (b.response_mask_BT[r, left:left + T] == d.batch.response_mask_BT[i]).all()
-        assert b.response_mask_BT[r].sum() == d.batch.response_mask_BT[i].sum()  # padding never counts
-        assert (b.trace.indices[:, r, left:left + T] == d.batch.trace.indices[:, i]).all()
+        S, T = d.input_ids_BS.shape[1], d.logp_rollout_BT.shape[1]
+        assert (b.input_ids_BS[r, left:left + S] == d.input_ids_BS[i]).all()
+        assert (b.input_ids_BS[r, :left] == 0).all() and (b.attention_mask_BS[r, :left] == 0).all()
+        assert (b.attention_mask_BS[r, left:] == 1).all()  # right padding attends, as generate() pads after EOS
+        assert (b.logp_rollout_BT[r, left:left + T] == d.logp_rollout_BT[i]).all()
+        assert (b.logp_rollout_BT[r, :left] == 0).all() and (b.logp_rollout_BT[r, left + T:] == 0).all()  # padding
+        assert (b.response_mask_BT[r, left:left + T] == d.response_mask_BT[i]).all()
+        assert b.response_mask_BT[r].sum() == d.response_mask_BT[i].sum() == b.response_len_B[r]  # padding never counts
+        assert (b.trace.indices[:, r, left:left + T] == d.trace.indices[:, i]).all()
+        assert (b.trace.weights[:, r, left:left + T] == d.trace.weights[:, i]).all()
+        if router_logp:
+            assert (b.trace.router_logp_LBTK[:, r, left:left + T] == d.trace.router_logp_LBTK[:, i]).all()
         pad = b.trace.indices[:, r, :left]
         assert (pad[..., 0] != pad[..., 1]).all()  # pad positions still hold a valid (distinct) top-k
-
-
-@pytest.mark.parametrize("replay", ["none", "old", "rollout"])
-def test_joined_groups_keep_router_logp_and_rollout_weights(replay):
-    """R3's old trace is a copy carrying router log-probs, not the rollout trace: both are joined, each at
-    its place; the forced trace follows rl.replay; rollout-correction weights are joined and 0 on padding."""
-    from moe_lab.rl.distributed import join_step_data
-
-    parts = [_group_data(3, 4, seed=1, old_copy=True), _group_data(5, 2, seed=2, old_copy=True)]
-    joined = join_step_data(parts, pad_token_id=0, replay=replay)
-    b = joined.batch
-    assert joined.ref_trace is not b.trace and b.trace.router_logp_LBTK is None
-    assert joined.forced_trace is {"none": None, "old": joined.ref_trace, "rollout": b.trace}[replay]
-    assert joined.is_weights_BT.shape == joined.logp_old_BT.shape
-    for r, (d, left) in enumerate([(parts[0], 2), (parts[0], 2), (parts[1], 0), (parts[1], 0)]):
-        i, T = r % 2, d.logp_old_BT.shape[1]
-        assert (joined.ref_trace.router_logp_LBTK[:, r, left:left + T] == d.ref_trace.router_logp_LBTK[:, i]).all()
-        assert (joined.ref_trace.indices[:, r, left:left + T] == d.ref_trace.indices[:, i]).all()
-        assert (joined.is_weights_BT[r, left:left + T] == d.is_weights_BT[i]).all()
-        assert (joined.is_weights_BT[r][~b.response_mask_BT[r]] == 0).all()
 
 
 def test_every_documented_metric_declares_its_reduction_and_an_undeclared_one_is_refused():
@@ -383,3 +374,28 @@ def test_every_documented_metric_declares_its_reduction_and_an_undeclared_one_is
     part = ({"reward/mean": 1.0, "new/undeclared_metric": 2.0}, 8.0, 40.0)
     with pytest.raises(KeyError, match="new/undeclared_metric"):
         combine_metrics([part, part])
+
+
+def test_a_run_folder_written_before_per_group_seeding_reads_as_sequential(tmp_path):
+    """A config.yaml without rl.rollout_seeding was written by code that sampled sequentially: the runner and
+    the results tables read it so (never as a run of the new default), while a user config without the field
+    means the default."""
+    from moe_lab.analysis.tables import load_runs
+    from moe_lab.config import dump_yaml, upgrade_run_config
+    from moe_lab.rl.runlog import config_state
+
+    current = validate(from_dict(SMOKE["base"]))
+    assert current.rl.rollout_seeding == "per_group"
+    old = yaml.safe_load(dump_yaml(current))
+    del old["rl"]["rollout_seeding"]
+    run = tmp_path / "exp" / "runs" / "r0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(old), encoding="utf-8")
+    assert upgrade_run_config(old)["rl"]["rollout_seeding"] == "sequential"
+    assert config_state(run, dump_yaml(current)) == "other"
+    legacy = validate(from_dict(apply_overrides(SMOKE["base"], ["rl.rollout_seeding=sequential"])))
+    assert config_state(run, dump_yaml(legacy)) == "same"
+    (run / "manifest.json").write_text(json.dumps({"run_id": "r0", "status": "done"}), encoding="utf-8")
+    pd.DataFrame({"step": [0], "reward/mean": [0.5]}).to_parquet(run / "metrics.parquet")
+    metrics, _ = load_runs(tmp_path / "exp")
+    assert metrics["rl.rollout_seeding"].tolist() == ["sequential"]

@@ -4,6 +4,8 @@ probabilities; the extremes against plain replay and free routing."""
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 from pathlib import Path
 
@@ -210,5 +212,26 @@ def test_predictive_replay_runs_end_to_end_and_learns_its_heads(tmp_path):
     assert any(r["pr2/drift_rms"] > 0 for r in rows)
     heads = [getattr(layer.router, predictor.HEAD) for layer in moe_layers(policy)]
     assert any(h.any() for h in heads)  # fitted to a real drift
-    with pytest.raises(ConfigError, match="rl.replay=predictive samples with the trained policy"):
-        _cfg(tmp_path, "rl.replay=predictive", "rl.rollout_dtype=bfloat16")
+    with pytest.raises(ConfigError, match="rl.replay=predictive with rl.rollout_lag=1"):
+        _cfg(tmp_path, "rl.replay=predictive", "rl.rollout_lag=1")
+
+
+def test_a_bf16_rollout_copy_routes_by_the_current_predictor_heads(tmp_path):
+    """The rescue regime samples with a bf16 copy: before each rollout it takes the heads refitted by the last
+    step along with the weights, so the sampler's route is the predicted one of the current policy."""
+    from moe_lab.rl.loop import _sync_rollout_policy
+
+    cfg = _cfg(tmp_path, "rl.replay=predictive", "rl.steps=2", "rl.router_lr_mult=10", "rl.rollout_dtype=bfloat16")
+    task, policy, rollout_policy, ref, optimizer = _setup(cfg, False)
+    assert rollout_policy is not policy and set(predictor.heads(rollout_policy)) == set(predictor.heads(policy)) != set()
+    torch.manual_seed(cfg.seed)
+    rl_step(policy, rollout_policy, ref, optimizer, task, cfg, 0, step_prompts(task, cfg, 0), first_update=0)
+    fitted = predictor.heads(policy)
+    assert any(h.any() for h in fitted.values())
+    assert not any(h.any() for h in predictor.heads(rollout_policy).values())  # not synced yet: still zero
+    _sync_rollout_policy(policy, rollout_policy, collections.deque())
+    for name, head in predictor.heads(rollout_policy).items():
+        assert head.dtype == torch.bfloat16 and torch.equal(head, fitted[name].to(torch.bfloat16))
+    rows = rl_step(policy, rollout_policy, ref, optimizer, task, cfg, 1, step_prompts(task, cfg, 1),
+                   first_update=updates_per_step(cfg))
+    assert rows[0]["mismatch/expert_change"] > 0 and rows[0]["routing/expert_change"] == 0.0

@@ -35,6 +35,7 @@ import pandas as pd
 import yaml
 
 from moe_lab.rl import health
+from moe_lab.config import upgrade_run_config
 from moe_lab.constants import PAPER_CLIP
 from moe_lab.rl.runlog import FINISHED, STATUS_FAILED, run_status
 
@@ -157,7 +158,7 @@ def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     metrics = pd.read_parquet(run_dir / METRICS_FILE)
     evals = pd.read_parquet(run_dir / EVAL_FILE) if (run_dir / EVAL_FILE).exists() else pd.DataFrame()
     run_cols = {k: manifest.get(k) for k in ID_COLUMNS}
-    run_cols.update({k: v for k, v in flatten(config).items() if k not in ID_COLUMNS})
+    run_cols.update({k: v for k, v in flatten(upgrade_run_config(config)).items() if k not in ID_COLUMNS})
     run_cols.update(status=run_status(manifest), reason=manifest.get("reason", ""),
                     experiment=_experiment_name(run_dir), run_dir=str(run_dir))
     run_cols.update(_collapse(manifest, config, metrics))

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from moe_lab.config import ConfigError
+from moe_lab.config import ConfigError, upgrade_run_config
 
 ID_COLUMNS = ("step", "minibatch", "update", "seed")
 # table file -> the column that steps its scalars
@@ -87,7 +87,7 @@ def _mirror_tensorboard(run_dir: Path, logdir: Path, tables: dict, group: str | 
 
 def _run_config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
-    return yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return upgrade_run_config(yaml.safe_load(path.read_text(encoding="utf-8"))) if path.exists() else {}
 
 
 def _mirror_wandb(run_dir: Path, logdir: Path, tables: dict, group: str | None) -> int:

@@ -20,7 +20,8 @@ from moe_lab.algos.losses import kl_penalty, masked_mean
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import RunConfig
 from moe_lab.rl import seeds
-from moe_lab.rl.rollout import RolloutBatch, forward_logits, generate, token_logprobs
+from moe_lab.rl.groups import group_generators, join_batches
+from moe_lab.rl.rollout import GroupSampler, RolloutBatch, forward_logits, generate, token_logprobs
 from moe_lab.routing import Trace, record, replay, routing_confidence, routing_metrics, specialization
 
 LN2 = math.log(2.0)
@@ -112,16 +113,31 @@ def _reward_metrics(rewards_B: torch.Tensor, group_size: int, batch: RolloutBatc
             "response/length_max": float(batch.response_len_B.max())}
 
 
-def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int = 0) -> tuple[list[str], RolloutBatch]:
+def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int = 0,
+             first_group: int = 0) -> tuple[list[str], RolloutBatch]:
     """Stage 1: group_size samples of every prompt, routing recorded (R3's trace); rl.rollout_router_noise
-    perturbs the sampler's routing only (an inference engine that routes differently from the trainer)."""
-    group_prompts = [p for p in prompts for _ in range(cfg.rl.group_size)]
-    noise = cfg.rl.rollout_router_noise
-    gen = seeds.rollout_noise_generator(cfg.seed, step, prompts) if noise else None
-    batch = generate(rollout_policy, task.tokenizer, group_prompts, max_new_tokens=task.max_new_tokens,
-                     temperature=cfg.rl.temperature, record_routing=True, router_noise=noise, noise_generator=gen,
-                     predictive=cfg.rl.replay == "predictive")
-    return group_prompts, batch
+    perturbs the sampler's routing only (an inference engine that routes differently from the trainer).
+    per_group seeding (moe_lab.rl.groups): group j samples from its own generator (first_group + j: its index in
+    the step's batch); sequential: the whole batch from the run's global generator."""
+    rl = cfg.rl
+
+    def sample(chunk: list[str], gens: list[torch.Generator] | None) -> RolloutBatch:
+        noise_gen = seeds.rollout_noise_generator(cfg.seed, step, chunk) if rl.rollout_router_noise else None
+        sampler = None if gens is None else GroupSampler(gens, rl.group_size, rl.temperature)
+        return generate(rollout_policy, task.tokenizer, [p for p in chunk for _ in range(rl.group_size)],
+                        max_new_tokens=task.max_new_tokens, temperature=rl.temperature, record_routing=True,
+                        router_noise=rl.rollout_router_noise, noise_generator=noise_gen,
+                        predictive=rl.replay == "predictive", sampler=sampler)
+
+    group_prompts = [p for p in prompts for _ in range(rl.group_size)]
+    if rl.rollout_seeding == "sequential":
+        return group_prompts, sample(prompts, None)
+    gens = group_generators(cfg.seed, step, first_group, len(prompts), rollout_policy.device)
+    if not rl.rollout_router_noise:
+        return group_prompts, sample(prompts, gens)
+    # the noise generator is seeded per collect() call: one call per group keeps each group's draws its own
+    parts = [sample([prompt], [gen]) for prompt, gen in zip(prompts, gens)]
+    return group_prompts, join_batches(parts, task.tokenizer.pad_token_id)
 
 
 def _rewards(task, group_prompts: list[str], batch: RolloutBatch) -> torch.Tensor:
@@ -187,10 +203,12 @@ def _task_metrics(task, group_prompts: list[str], rewards_B: torch.Tensor, old_t
     return out
 
 
-def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]) -> StepData:
-    """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages."""
+def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str],
+            first_group: int = 0) -> StepData:
+    """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages.
+    ``first_group``: the index of prompts[0] in the step's batch (a rank's share of it under torchrun)."""
     t0 = time.perf_counter()
-    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts, step)
+    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts, step, first_group)
     rewards_B = _rewards(task, group_prompts, batch)
     t1 = time.perf_counter()
     metrics = _reward_metrics(rewards_B, cfg.rl.group_size, batch)

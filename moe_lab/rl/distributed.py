@@ -41,9 +41,8 @@ import torch
 import torch.distributed as dist
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, load_yaml, validate
-from moe_lab.rl import checkpoint, seeds
-from moe_lab.rl.dp_split import (check_data_parallel, combine_metrics, group_minibatch_indices, join_step_data,
-                                 rank_groups)
+from moe_lab.rl import checkpoint
+from moe_lab.rl.dp_split import check_data_parallel, combine_metrics, group_minibatch_indices, rank_groups
 from moe_lab.rl.loop import TrainState, train
 from moe_lab.rl.runlog import FINISHED
 from moe_lab.rl.collect import collect
@@ -95,20 +94,14 @@ class DataParallel:
         return self.ddp_policy
 
     def collect(self, policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str]):
-        """This rank's groups, each rolled out under its own seed; the batch metrics of all ranks' groups."""
-        parts, group_metrics = [], []
-        for gi in rank_groups(len(prompts), self.rank, self.world):
-            torch.manual_seed(seeds.group_seed(cfg.seed, step, gi))
-            data = collect(policy, rollout_policy, ref_model, task, cfg, step, [prompts[gi]])
-            parts.append(data)
-            group_metrics.append((data.batch_metrics, float(cfg.rl.group_size),
-                                  float(data.batch.response_mask_BT.sum())))
-        all_groups = _all_gather(group_metrics)
-        batch_metrics = combine_metrics([g for per_rank in all_groups for g in per_rank])
-        for k in [k for k in batch_metrics if k.startswith("perf/")]:  # a rank's groups run one after another
-            batch_metrics[k] = max(sum(g[0][k] for g in per_rank) for per_rank in all_groups)
-        tokens = sum(g[2] for per_rank in all_groups for g in per_rank)
-        return join_step_data(parts, task.tokenizer.pad_token_id, cfg.rl.replay), batch_metrics, tokens
+        """This rank's groups (each rolled out under its own seed, moe_lab.rl.groups), and the batch metrics of
+        all ranks' groups."""
+        groups = rank_groups(len(prompts), self.rank, self.world)
+        data = collect(policy, rollout_policy, ref_model, task, cfg, step, [prompts[g] for g in groups],
+                       first_group=groups.start)
+        mine = (data.batch_metrics, float(len(groups) * cfg.rl.group_size), float(data.batch.response_mask_BT.sum()))
+        parts = _all_gather(mine)
+        return data, combine_metrics(parts), sum(p[2] for p in parts)
 
     def schedule(self, data, cfg: RunConfig, step: int, first_update: int):
         """(epoch, minibatch, update index, local idx_B), in SingleProcess.schedule's order."""

@@ -3,8 +3,8 @@
 ``moe_lab.rl.distributed`` runs the process group; this module holds what makes its table independent of the
 world size:
 - every prompt group is sampled under its own seed, a function of (seed, step, prompt index), so a group
-  gets the same responses on whichever rank it lands (this sampling mode is used for every torchrun run,
-  world size 1 included; the plain ``train()`` path keeps its one-generator sampling);
+  gets the same responses on whichever rank it lands (``moe_lab.rl.groups``; a plain run samples the same way,
+  so a plain run and a 1-rank torchrun give the same table bit for bit);
 - groups never straddle ranks (advantages are group-local), and minibatch m takes the same G/M responses
   of every group (a seeded per-group shuffle), so each rank holds the same number of sequences in every
   minibatch and DDP's mean of the per-rank seq-mean losses is the global seq-mean loss;
@@ -21,11 +21,10 @@ from __future__ import annotations
 import fnmatch
 import math
 
-import torch
-
 from moe_lab.algos import reductions as R
 from moe_lab.config import ConfigError, RunConfig
-from moe_lab.rl import seeds
+from moe_lab.rl.groups import group_minibatch_indices  # noqa: F401  (the split's minibatches, re-exported)
+
 
 def check_data_parallel(cfg: RunConfig, world: int) -> None:
     """Refuse, in one line, what a split over ``world`` ranks cannot compute as the single-process step does."""
@@ -43,6 +42,9 @@ def check_data_parallel(cfg: RunConfig, world: int) -> None:
     if rl.whiten == "batch":
         raise ConfigError("rl.whiten=batch is not supported data-parallel (advantages must be group-local); "
                           "allowed: group")
+    if rl.rollout_seeding != "per_group":
+        raise ConfigError(f"rl.rollout_seeding={rl.rollout_seeding} is a plain run's legacy sampling (one generator "
+                          "for the whole batch) and cannot split over ranks; allowed: per_group")
     if rl.replay == "predictive":
         raise ConfigError("rl.replay=predictive is not supported data-parallel (the predictor heads are refitted by "
                           "the single-process step only); allowed: none, old, rollout")
@@ -52,99 +54,6 @@ def rank_groups(n_prompts: int, rank: int, world: int) -> range:
     """Contiguous block of prompt indices of one rank: rank order = global batch order."""
     per = n_prompts // world
     return range(rank * per, (rank + 1) * per)
-
-
-def group_minibatch_indices(group_indices, group_size: int, minibatches: int, seed: int, step: int,
-                         epoch: int = 0) -> list[torch.Tensor]:
-    """Indices (into the rank's batch) of each minibatch: G/M responses of every local group.
-
-    Each group's shuffle is seeded by its global index, so the global minibatch does not depend on the split;
-    every epoch (rl.epochs) draws its own shuffle, epoch 0 the one single-epoch runs always drew.
-    """
-    parts: list[list[torch.Tensor]] = [[] for _ in range(minibatches)]
-    for j, gi in enumerate(group_indices):
-        gen = seeds.group_shuffle_generator(seed, step, gi, epoch)
-        for m, chunk in enumerate(torch.randperm(group_size, generator=gen).chunk(minibatches)):
-            parts[m].append(chunk + j * group_size)
-    return [torch.cat(p) for p in parts]
-
-
-# ----------------------------------------------------------------------------- joining groups' step data
-
-def _prompt_len(response_mask_BT: torch.Tensor) -> int:
-    # generate() emits at least one token, so column P-1 is a response column in every row
-    return int(response_mask_BT[0].nonzero()[0]) + 1
-
-
-def _pad_cols(x: torch.Tensor, left: int, right: int, value, dim: int = 1) -> torch.Tensor:
-    if not left and not right:
-        return x
-    shape_l, shape_r = list(x.shape), list(x.shape)
-    shape_l[dim], shape_r[dim] = left, right
-    return torch.cat([x.new_full(shape_l, value), x, x.new_full(shape_r, value)], dim=dim)
-
-
-def _pad_trace(trace, left: int, right: int):
-    from moe_lab.routing import Trace
-
-    if not left and not right:
-        return trace
-    ids = trace.indices
-    K = ids.shape[-1]
-    # pad positions get distinct ids 0..K-1: never read (masked), but a valid top-k for replay to force
-    fill = torch.arange(K, dtype=ids.dtype, device=ids.device)
-    def pad(x, filler):
-        L, B, _, _ = x.shape
-        blocks = [filler.expand(L, B, n, K) for n in (left, right)]
-        return torch.cat([blocks[0], x, blocks[1]], dim=2)
-    w, lp = trace.weights, trace.router_logp_LBTK
-    zeros = torch.zeros(K, dtype=torch.float32, device=ids.device)  # never read either: masked positions
-    return Trace(pad(ids, fill), None if w is None else pad(w, zeros), num_experts=trace.num_experts,
-                 family=trace.family, router_logp=None if lp is None else pad(lp, zeros))
-
-
-def join_step_data(parts: list, pad_token_id: int, replay: str):
-    """One StepData from the StepData of single prompt groups (left-pad prompts, right-pad responses).
-
-    ``replay``: the run's rl.replay; ``step.replay_traces`` decides the forced trace, as in step.collect.
-    """
-    from moe_lab.rl.rollout import RolloutBatch
-    from moe_lab.routing import Trace
-    from moe_lab.rl.collect import StepData, replay_traces
-
-    if len(parts) == 1:
-        return parts[0]
-    d0 = parts[0]
-    P = [_prompt_len(d.batch.response_mask_BT) for d in parts]
-    N = [d.batch.input_ids_BS.shape[1] - p for d, p in zip(parts, P)]
-    pads = [(max(P) - p, max(N) - n) for p, n in zip(P, N)]
-
-    def cat(get, value, dim=1):
-        return torch.cat([_pad_cols(get(d), l, r, value, dim) for d, (l, r) in zip(parts, pads)], dim=0)
-
-    def cat_trace(get):
-        traces = [get(d) for d in parts]
-        if traces[0] is None:
-            return None
-        return Trace.cat([_pad_trace(t, l, r) for t, (l, r) in zip(traces, pads)])
-
-    trace = cat_trace(lambda d: d.batch.trace)
-    # the reference joined on its own (when it is the rollout trace, a second copy of the same values)
-    forced, ref = replay_traces(replay, trace, cat_trace(lambda d: d.ref_trace))
-    # right padding mimics generate(): pad tokens after EOS with attention 1 (never attended: causal)
-    ids = torch.cat([_pad_cols(_pad_cols(d.batch.input_ids_BS, l, 0, pad_token_id), 0, r, pad_token_id)
-                     for d, (l, r) in zip(parts, pads)])
-    attn = torch.cat([_pad_cols(_pad_cols(d.batch.attention_mask_BS, l, 0, 0), 0, r, 1)
-                      for d, (l, r) in zip(parts, pads)])
-    batch = RolloutBatch(prompts=[p for d in parts for p in d.batch.prompts],
-                         completions=[c for d in parts for c in d.batch.completions], input_ids_BS=ids,
-                         attention_mask_BS=attn, response_mask_BT=cat(lambda d: d.batch.response_mask_BT, False),
-                         logp_rollout_BT=cat(lambda d: d.batch.logp_rollout_BT, 0.0), trace=trace,
-                         response_len_B=torch.cat([d.batch.response_len_B for d in parts]))
-    # rollout-correction weights are 0 off the response mask (as rollout_correction returns them)
-    is_weights = None if d0.is_weights_BT is None else cat(lambda d: d.is_weights_BT, 0.0)
-    return StepData(batch, torch.cat([d.rewards_B for d in parts]), torch.cat([d.adv_B for d in parts]),
-                    cat(lambda d: d.logp_old_BT, 0.0), ref, forced, {}, d0.norm_len, is_weights)
 
 
 # ----------------------------------------------------------------------------- metrics across parts
@@ -181,6 +90,8 @@ def combine_metrics(parts: list[tuple[dict, float, float]]) -> dict[str, float]:
     means by sequences, variances and stds by the law of total variance, maxima by max, timings by the
     slowest part, ``rollout_corr/ess`` recomputed. Parts list the same keys.
     """
+    if len(parts) == 1:  # one part's metrics are the global ones (recombining them would round)
+        return dict(parts[0][0])
     table = reductions()
     kinds = {k: reduction_of(k, table) for k in parts[0][0]}
     out: dict[str, float] = {}

@@ -74,6 +74,9 @@ def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
     with torch.no_grad():
         for name, dst in rollout_policy.named_parameters():
             dst.copy_(source[name])
+        current = predictor.heads(policy)  # PR² heads are buffers refitted each step: the sampler routes by them
+        for name, dst in predictor.heads(rollout_policy).items():
+            dst.copy_(current[name])
 
 
 def _snapshot(policy) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from moe_lab.models import position_ids_from_mask as position_ids
 from moe_lab.routing import Trace, record
@@ -50,6 +50,29 @@ def _generation_config(tokenizer, max_new_tokens: int, temperature: float, greed
     )
 
 
+class GroupSampler(LogitsProcessor):
+    """Sampling from softmax(logits / T) with each prompt group's own generator, in one batched generate().
+
+    generate() runs greedy with this processor: the exponential race argmax_i p_i / E_i, E_i ~ Exp(1) iid, is an
+    exact draw from p (the Gumbel-max trick, as vLLM and FlashInfer sample). Rows [j*G, (j+1)*G) draw their E
+    from ``generators[j]`` alone, so a group's tokens depend on its own stream, never on which groups share
+    the batch (moe_lab.rl.groups). E is drawn in float64: a draw of exactly 0, which would pick a token whatever
+    its probability, has probability 2**-53 instead of float32's 2**-24.
+    """
+
+    def __init__(self, generators: list[torch.Generator], group_size: int, temperature: float):
+        self.generators, self.group_size, self.temperature = generators, group_size, temperature
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        B, V = scores.shape
+        if B != len(self.generators) * self.group_size:
+            raise ValueError(f"GroupSampler: {B} rows, expected {len(self.generators)} groups of {self.group_size}")
+        e_BV = torch.cat([torch.empty(self.group_size, V, dtype=torch.float64, device=scores.device)
+                          .exponential_(generator=g) for g in self.generators])
+        logp_BV = torch.log_softmax(scores.double() / self.temperature, dim=-1)
+        return logp_BV - e_BV.log()  # float64: only its argmax is read
+
+
 def _response_mask(new_ids_BN: torch.Tensor, eos_id: int) -> torch.Tensor:
     """True up to and including the first EOS of each response."""
     is_eos = (new_ids_BN == eos_id).long()
@@ -60,16 +83,20 @@ def _response_mask(new_ids_BN: torch.Tensor, eos_id: int) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float = 1.0,
              greedy: bool = False, record_routing: bool = False, router_noise: float = 0.0,
-             noise_generator: torch.Generator | None = None, predictive: bool = False) -> RolloutBatch:
+             noise_generator: torch.Generator | None = None, predictive: bool = False,
+             sampler: GroupSampler | None = None) -> RolloutBatch:
     """Sample one response per prompt (repeat prompts for groups) with the KV cache.
 
-    Sampling draws from torch's default generator: seed it (and checkpoint its state) for reproducibility.
+    Sampling draws from torch's default generator (seed it for reproducibility), or, given ``sampler``, from
+    each group's own generator (rl.rollout_seeding=per_group).
     router_noise > 0 adds N(0, router_noise^2) to every router logit of the generation forwards, drawn from
     noise_generator only (so the sampling RNG stream is not consumed); the recorded trace is the noisy routing.
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     prompt_ids, prompt_mask = enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device)
-    cfg = _generation_config(tokenizer, max_new_tokens, temperature, greedy)
+    # a GroupSampler does the sampling: generate() then runs greedy on the scores it returns (raw logits kept)
+    cfg = _generation_config(tokenizer, max_new_tokens, temperature, greedy or sampler is not None)
+    processors = LogitsProcessorList([sampler] if sampler is not None else [])
     # router log-probs ride along (one log-softmax per layer and step): with rl.old_logp=rollout this trace is
     # the reference of routing/router_shift and RSPO's gamma
     # (predictive: route by the PR2 predictor's logits, moe_lab/routing/predictor.py)
@@ -77,7 +104,8 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
     recorder = record_predicted if predictive else record
     ctx = recorder(model, router_logp=True, **noisy) if record_routing or noisy else contextlib.nullcontext()
     with ctx as trace:
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=cfg)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=cfg,
+                             logits_processor=processors)
     seq_BS = out.sequences
     B, P = prompt_ids.shape
     new_BN = seq_BS[:, P:]

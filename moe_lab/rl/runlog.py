@@ -36,7 +36,7 @@ from typing import Any
 
 import pandas as pd
 
-from moe_lab.config import ConfigError, dump_yaml, from_dict, load_yaml, validate
+from moe_lab.config import ConfigError, dump_yaml, from_dict, load_yaml, upgrade_run_config, validate
 
 STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "running", "failed", "interrupted"
 # A run a collapse rule of moe_lab/rl/health.py stopped: final like 'done' (never recomputed, counted as finished).
@@ -249,16 +249,17 @@ def machine_info() -> dict[str, Any]:
 def config_state(run_dir: Path, config_text: str) -> str:
     """'new' (no config yet), 'same' (this very config: a resume or a finished run) or 'other'.
 
-    A config.yaml written before some fields existed lacks them: it is read back with their defaults (which
-    leave results bit for bit unchanged, by the rule every new field follows) and compared again, so adding a
-    field does not turn every finished run, committed references included, into a conflict."""
+    A config.yaml written before some fields existed lacks them: it is read back with the values it ran with
+    (``upgrade_run_config``: their defaults, or the legacy value of a field whose default changed results) and
+    compared again, so adding a field does not turn every finished run, committed references included, into a
+    conflict, and a run of the old behaviour is never taken for one of the new."""
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         return "new"
     if path.read_text(encoding="utf-8") == config_text:
         return "same"
     try:
-        upgraded = dump_yaml(validate(from_dict(load_yaml(str(path)))))
+        upgraded = dump_yaml(validate(from_dict(upgrade_run_config(load_yaml(str(path))))))
     except (ConfigError, OSError):
         return "other"
     return "same" if upgraded == config_text else "other"

@@ -4,11 +4,12 @@ Each purpose has its own stream, so that changing how often one thing happens (e
 minibatches) never shifts the random numbers of another. The cold start is seeded apart, by model.seed
 (moe_lab.rl.coldstart), so that every run of one model config starts from the same weights.
 
-Two sampling regimes coexist, both kept so that every committed table stays bit-identical:
-- a plain run (``moe-lab run``) seeds torch's global generator once (``run_seed``) and samples every rollout
-  batch from it in sequence;
-- a torchrun run (``python -m moe_lab.train``, any world size, 1 included) reseeds it before each prompt
-  group (``group_seed``), so that a group gets the same responses on whichever rank it lands.
+Two sampling regimes (rl.rollout_seeding):
+- per_group (the default): each prompt group's responses are drawn under ``group_seed(seed, step, prompt
+  index)`` (moe_lab.rl.groups), so a group gets the same responses in a plain run (``moe-lab run``) and on
+  whichever rank of a torchrun it lands, any world size;
+- sequential (plain runs only; every run made before 2026-11-30, committed references among them): torch's
+  global generator is seeded once (``run_seed``) and every rollout batch is sampled from it in sequence.
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def shuffle_generator(seed: int, step: int, epoch: int) -> torch.Generator:
 
 
 def group_seed(seed: int, step: int, prompt_index: int) -> int:
-    """Sampling seed of one prompt group of a torchrun run: the same on whichever rank the group lands."""
+    """Sampling seed of one prompt group (rl.rollout_seeding=per_group): the same on any launcher and rank."""
     return (seed * _SEED_MUL + step * _STEP_MUL + prompt_index * _GROUP_MUL + _GROUP_SALT) % (2 ** 63)
 
 
 def group_shuffle_generator(seed: int, step: int, prompt_index: int, epoch: int) -> torch.Generator:
-    """The order of one group's responses in the minibatches of one epoch of a torchrun run's step."""
+    """The order of one group's responses in the minibatches of one epoch (group-local minibatches)."""
     return torch.Generator().manual_seed(group_seed(seed, step, prompt_index) + _SHUFFLE + epoch * _EPOCH_MUL)

@@ -22,6 +22,7 @@ from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
+from moe_lab.rl.groups import group_minibatch_indices
 from moe_lab.rl.optim import set_lr
 from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
@@ -194,8 +195,8 @@ def updates_per_step(cfg: RunConfig) -> int:
 
 
 class SingleProcess:
-    """The batch split of a plain run: one process holds the whole batch (its rollout sampled from torch's
-    global generator), minibatches are a seeded shuffle of it, and there is nothing to reduce.
+    """The batch split of a plain run: one process holds the whole batch (each prompt group sampled under its
+    own seed, as on any rank of a torchrun), and there is nothing to reduce.
     ``moe_lab.rl.distributed.DataParallel`` supplies the same four methods (and the run-level ones of
     ``moe_lab.rl.loop``) for a process group."""
 
@@ -210,11 +211,17 @@ class SingleProcess:
         return data, data.batch_metrics, float(data.batch.response_len_B.sum())
 
     def schedule(self, data: StepData, cfg: RunConfig, step: int, first_update: int):
-        """(epoch, minibatch, update index, idx_B) of every update of one step, in order."""
-        mb, n = cfg.rl.minibatches, data.batch.input_ids_BS.shape[0]
-        for epoch in range(cfg.rl.epochs):
-            for m, idx_B in enumerate(minibatch_indices(n, mb, cfg.seed, step, epoch)):
-                yield epoch, m, first_update + epoch * mb + m, idx_B
+        """(epoch, minibatch, update index, idx_B) of every update of one step, in order: the group-local
+        minibatches of a torchrun split (so a 1-rank torchrun gives this table bit for bit) where the groups
+        split evenly, else (and under the legacy sequential seeding) a seeded shuffle of the whole batch."""
+        rl, n = cfg.rl, data.batch.input_ids_BS.shape[0]
+        grouped = rl.rollout_seeding == "per_group" and rl.group_size % rl.minibatches == 0
+        for epoch in range(rl.epochs):
+            indices = (group_minibatch_indices(range(n // rl.group_size), rl.group_size, rl.minibatches, cfg.seed,
+                                               step, epoch) if grouped else
+                       minibatch_indices(n, rl.minibatches, cfg.seed, step, epoch))
+            for m, idx_B in enumerate(indices):
+                yield epoch, m, first_update + epoch * rl.minibatches + m, idx_B
 
     def checked(self, metrics: dict, step: int, update_idx: int, first_update: int) -> dict:
         """An update's metrics as the split sees them (a test hook under torchrun)."""

@@ -17,8 +17,9 @@ PR radixark/miles #1362 were not available to us) fixes that much; the predictor
   linear router the drift IS linear in x, so the head can express it exactly; the paper's predictor may be a
   deeper network trained by SGD over many steps: a simplification for a 2-core toy, said so here.
 - Simplifications besides the predictor: one step of horizon; inputs held fixed (only the router weights'
-  drift is predicted, not that of the hidden states feeding them); the rollout must be the trained policy
-  (no bf16 copy, no lag: the config refuses both, since the copy would hold a stale head).
+  drift is predicted, not that of the hidden states feeding them). A bf16 rollout copy routes by the current
+  heads (copied with the weights before each rollout, moe_lab.rl.loop); a lagged rollout (rl.rollout_lag) is
+  refused: its copy would need the heads of that older step, which are not kept.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def install(model: nn.Module) -> None:
         if not hasattr(router, HEAD):
             hidden = router.weight.shape[1]
             router.register_buffer(HEAD, torch.zeros(router.num_experts, hidden, device=router.weight.device))
+
+
+def heads(model: nn.Module) -> dict[str, Tensor]:
+    """Every predictor head of ``model`` by buffer name ({} when none is installed)."""
+    return {name: buf for name, buf in model.named_buffers() if name.rsplit(".", 1)[-1] == HEAD}
 
 
 def predicted_logits(router: nn.Module, hidden_NH: Tensor, logits_NE: Tensor) -> Tensor:
