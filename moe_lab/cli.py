@@ -69,6 +69,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="--backend ray: cluster to join, HOST:PORT or auto "
                                                    "(default: start a local one)")
     p.add_argument("--max-retries", type=int, default=3, help="--backend ray: reruns of a cell whose node died")
+    p.add_argument("--cpu-isa", default=None, choices=None, metavar="ISA",
+                   help="pin the CPU kernels (torch, MKL, oneDNN) to avx2 or avx512 for the whole invocation, so that "
+                        "results do not depend on the processor (~1.5x slower; docs/guide.md)")
     p.add_argument("--report-to", default=None, metavar="TRACKER",
                    help="also mirror every metric and eval row to a tracker: tensorboard (event files in "
                         "OUT/tensorboard/<run_id>) or wandb (offline unless WANDB_MODE is set, in "
@@ -198,6 +201,10 @@ def _main(argv: list[str]) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
+        if args.cmd in ("run", "reproduce"):
+            from moe_lab.launch.isa import pin_or_reexec
+
+            pin_or_reexec(args.cpu_isa, argv)  # before any work: kernels are chosen at first use
         if args.cmd == "run":
             return _run(read_experiment(args.experiment), args.out, args)
         if args.cmd == "reproduce":

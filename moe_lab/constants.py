@@ -50,3 +50,7 @@ TASKS = (*SINGLE_TASKS, "mixture")
 EXPERTS_KERNELS = ("grouped_mm", "eager")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16")
+
+# environment variables that pin the CPU kernels' ISA (ATen, MKL, oneDNN): recorded in manifests as machine.env,
+# hashed into the cold-start cache key when set, set by moe-lab run --cpu-isa (moe_lab/launch/isa.py)
+MACHINE_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")

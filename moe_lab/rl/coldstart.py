@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from moe_lab.config import RunConfig, validate
 from moe_lab.models import build_model, load_model, resolve_device
+from moe_lab.constants import MACHINE_ENV
 from moe_lab.rl.rollout import accuracy, forward_logits, token_logprobs
 from moe_lab.tasks import Task, encode_response, get_task, task_tokenizer
 
@@ -59,6 +60,9 @@ def cache_key(cfg: RunConfig) -> str:
             if sections[section][name] == default:
                 sections[section].pop(name)
     payload = {"format": FORMAT_VERSION, **sections}
+    pins = {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}
+    if pins:  # kernels pinned (moe-lab run --cpu-isa): their own warm-up; unpinned keys stay as they were
+        payload["pins"] = pins
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

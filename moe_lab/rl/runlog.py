@@ -36,6 +36,7 @@ from typing import Any
 
 import pandas as pd
 
+from moe_lab.constants import MACHINE_ENV
 from moe_lab.config import ConfigError, dump_yaml, from_dict, load_yaml, upgrade_run_config, validate
 
 STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "running", "failed", "interrupted"
@@ -45,7 +46,6 @@ FINISHED = (STATUS_DONE, STATUS_COLLAPSED)
 # The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed
 # (status 'failed', no traceback) is told apart from a run that failed on an error.
 STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
-MACHINE_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")  # the three pins of the kernel ISA
 LOCK_FILE = ".lock"
 
 
