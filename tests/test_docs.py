@@ -120,3 +120,17 @@ def test_every_policy_metric_is_in_the_metric_table():
                              algo="grpo", clip_low=0.2, clip_high=0.2)
     missing = sorted(set(metrics) - documented)
     assert not missing, f"undocumented metrics: {missing}"
+
+
+def test_results_readme_states_how_each_reference_sampled():
+    """results/README.md's table of rl.rollout_seeding per reference is what the runs' configs say (a config
+    written before the field existed reads as sequential, moe_lab.config.upgrade_run_config)."""
+    from moe_lab.config import upgrade_run_config
+
+    text = (ROOT / "results" / "README.md").read_text(encoding="utf-8")
+    stated = dict(re.findall(r"^\| `([\w.-]+)/` \| ((?:`\w+`(?:, )?)+) \|$", text, re.M))
+    found = {}
+    for exp in sorted(p for p in (ROOT / "results" / "reference").iterdir() if p.is_dir()):
+        modes = {upgrade_run_config(load_yaml(str(c)))["rl"]["rollout_seeding"] for c in exp.glob("runs/*/config.yaml")}
+        found[exp.name] = ", ".join(f"`{m}`" for m in sorted(modes))
+    assert stated == found

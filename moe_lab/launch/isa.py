@@ -4,7 +4,7 @@ depend on the ISA chosen, not on the processor it lands on (docs/guide.md, "Resu
 PyTorch (ATen), MKL and oneDNN pick their code paths once per process, at their first use, from the processor
 and these environment variables: they must be set before torch does any work, so the CLI re-executes itself
 with them set (the spawned workers inherit them) instead of setting them in a process that already computed.
-The pin costs time (measured ~1.5x per RL step and 3.5-4x for a cold start here, benchmarks/bench_isa.py), so
+The pin costs time (measured ~1.5x per RL step and 3.7-4.3x for a cold start here, benchmarks/bench_isa.py), so
 it is a choice, not the default. A pinned invocation cold-starts into its own cache entry
 (moe_lab.rl.coldstart.cache_key hashes the pins).
 """
