@@ -188,7 +188,9 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     log = RunLog(run_dir, run_info(cfg, run_id, arm)) if split.writer else None
     task, policy, rollout_policy, ref_model, optimizer = split.setup(lambda: _claim(run_dir, dump_yaml(cfg)),
                                                                      lambda: _setup(cfg, progress))
-    torch.manual_seed(seeds.run_seed(cfg.seed))  # after setup: loading or warming up the model may draw numbers
+    # the run-long sampling stream of rl.rollout_seeding=sequential (per_group draws from its own generators); after
+    # setup: loading or warming up the model may draw numbers
+    torch.manual_seed(seeds.run_seed(cfg.seed))
     state = split.resume_state(run_dir, policy, optimizer)
     lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
     if log:
