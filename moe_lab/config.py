@@ -19,6 +19,7 @@ import yaml
 from moe_lab import constants as C
 from moe_lab import config_rules as rules
 from moe_lab.errors import ConfigError
+from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
 from moe_lab.yaml_io import load_yaml  # noqa: F401 - re-exported: callers read YAML through config
 
 
@@ -336,24 +337,6 @@ def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any
         else:
             kwargs[f.name] = data[f.name]
     return cls(**kwargs)
-
-
-# A run folder's config.yaml lists every field of the code that wrote it, so a field it lacks was added later.
-# A new field's default normally does what the older code did; these did not (the new default changes results),
-# and a config.yaml written before the field existed ran with the value given here.
-LEGACY_VALUES = {"rl.rollout_seeding": "sequential"}  # plain runs before 2026-11-30 (moe_lab/rl/groups.py)
-
-
-def upgrade_run_config(data: dict) -> dict:
-    """A run folder's config.yaml as the current code reads it: fields added since it was written take the value
-    it ran with (LEGACY_VALUES), else their default (from_dict). Not for user configs: a field a user leaves out
-    means its default."""
-    out = yaml.safe_load(yaml.safe_dump(data or {}))
-    for key, value in LEGACY_VALUES.items():
-        section, name = key.split(".")
-        if isinstance(out.get(section), dict) and name not in out[section]:
-            out[section][name] = value
-    return out
 
 
 def _parse_scalar(text: str) -> Any:

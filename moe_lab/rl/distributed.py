@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, load_yaml, validate
 from moe_lab.rl import checkpoint
-from moe_lab.rl.dp_split import check_data_parallel, combine_metrics, group_minibatch_indices, rank_groups
+from moe_lab.rl.dp_split import check_data_parallel, combine_metrics, rank_groups
+from moe_lab.rl.groups import group_minibatch_indices
 from moe_lab.rl.loop import TrainState, train
 from moe_lab.rl.runlog import FINISHED
 from moe_lab.rl.collect import collect

@@ -23,7 +23,6 @@ import math
 
 from moe_lab.algos import reductions as R
 from moe_lab.config import ConfigError, RunConfig
-from moe_lab.rl.groups import group_minibatch_indices  # noqa: F401  (the split's minibatches, re-exported)
 
 
 def check_data_parallel(cfg: RunConfig, world: int) -> None:

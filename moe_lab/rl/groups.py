@@ -11,7 +11,7 @@ config, 2-core CPU). With sampler-side router noise (rl.rollout_router_noise) ea
 own, so that its noise draws are its own too, and the groups are joined (``join_batches``).
 
 The legacy ``sequential`` mode samples the whole batch from the run's global generator in one call (how plain
-runs sampled before 2026-11-30, the references made then among them; see ``moe_lab.config.LEGACY_VALUES``).
+runs sampled before 2026-11-30, the references made then among them; see ``moe_lab.config_legacy.LEGACY_VALUES``).
 """
 
 from __future__ import annotations
