@@ -59,7 +59,7 @@ class ModelConfig:
     experts_impl: str = param("grouped_mm", "transformers experts kernel; batched_mm is ~50x slower on CPU and refused",
                               choices=C.EXPERTS_KERNELS)
     device: str = param("cpu", "where the policy runs: cpu, cuda, or auto (cuda when visible). Training is fp32 "
-                               "on either; the GPU path is written but was not verified on a GPU yet",
+                               "on either; the CUDA path passed scripts/gpu_check.sh's tests on one H200 (results/reference/gpu)",
                         choices=C.DEVICES)
     seed: int = param(0, "seed of the random initialisation", ge=0)
 

@@ -1,6 +1,6 @@
 """The CUDA path (``pytest -m gpu``, run by scripts/gpu_check.sh); every test skips where CUDA is absent.
 
-Not run in the CPU-only sessions that wrote it: see docs/guide.md "Scaling out" for what was verified where.
+Run on one NVIDIA H200 (11 passed; results/reference/gpu/check.txt); docs/guide.md "Scaling out" says what was verified where.
 """
 
 from __future__ import annotations
