@@ -84,7 +84,7 @@ def test_a_collapsed_run_is_never_recomputed(collapsed_run):
 
 
 def test_a_legacy_failed_manifest_of_a_collapse_reads_as_collapsed(collapsed_run):
-    """Manifests written before 'collapsed' (the committed references) say 'failed' with the rule: they are
+    """Manifests written before 'collapsed' (the references before their regeneration) say 'failed' with the rule: they are
     finished runs, loaded as collapsed and not rerun."""
     tmp, path = collapsed_run
     out = tmp / "out"
