@@ -36,6 +36,7 @@ METRIC_KEYS = (
 # exactly by the law of total variance, except logratio_var, only averaged (its mean is not logged)
 REDUCTIONS = {
     **{key: R.TOKEN_MEAN for key in METRIC_KEYS},
+    "mismatch/abs_diff": R.TOKEN_MEAN, "mismatch/extreme_frac_log5": R.TOKEN_MEAN,  # rollout_mismatch's extras
     "clip_frac/seq": R.SEQ_MEAN,
     "ratio/seq_mean": R.SEQ_MEAN,
     "ratio/token_var": R.variance_of("ratio/token_mean", R.TOKEN_MEAN),
@@ -74,6 +75,27 @@ def k3_from_log_ratio(delta_BT: torch.Tensor) -> torch.Tensor:
     Only the exponent is clamped (to +-LOG_RATIO_BOUND, against overflow); the linear term stays exact.
     """
     return torch.exp(delta_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) - delta_BT - 1.0
+
+
+@torch.no_grad()
+def rollout_mismatch(logp_rollout_BT: torch.Tensor, logp_train_BT: torch.Tensor, mask_BT: torch.Tensor,
+                     extended: bool = False) -> dict[str, float]:
+    """Rollout-vs-train mismatch of the sampled tokens, ``d = logp_rollout - logp_train`` over the mask.
+
+    ``mismatch/k3``: mean of exp(-d) + d - 1 (Schulman's k3 with r = pi_train / pi_rollout, from the rollout's
+    own samples: KL(rollout || train)); ``mismatch/extreme_frac``: share with |d| > ln 2. extended=True adds
+    ``mismatch/abs_diff`` (mean |d|) and ``mismatch/extreme_frac_log5`` (share with |d| > ln 5), the figures
+    AReaL and slime publish for R3 (docs/metrics.md maps the names). No clamp: d is a mismatch, not a ratio.
+    """
+    mask = mask_BT.bool()
+    d_BT = torch.where(mask, logp_rollout_BT - logp_train_BT, torch.zeros_like(logp_train_BT))
+    k3_BT = torch.exp(-d_BT) + d_BT - 1
+    out = {"mismatch/k3": float(masked_mean(k3_BT, mask)),
+           "mismatch/extreme_frac": float(masked_mean((d_BT.abs() > EXTREME_LOG_RATIO).float(), mask))}
+    if extended:
+        out["mismatch/abs_diff"] = float(masked_mean(d_BT.abs(), mask))
+        out["mismatch/extreme_frac_log5"] = float(masked_mean((d_BT.abs() > math.log(5.0)).float(), mask))
+    return out
 
 
 def _as_metric(x: torch.Tensor) -> torch.Tensor:

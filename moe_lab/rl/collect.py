@@ -16,7 +16,8 @@ import torch
 
 from moe_lab.algos import reductions as R
 from moe_lab.algos.advantages import group_advantages
-from moe_lab.algos.losses import kl_penalty, masked_mean
+from moe_lab.algos.losses import kl_penalty
+from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import RunConfig
 from moe_lab.rl import seeds
@@ -24,7 +25,6 @@ from moe_lab.rl.groups import group_generators, join_batches
 from moe_lab.rl.rollout import GroupSampler, RolloutBatch, forward_logits, generate, token_logprobs
 from moe_lab.routing import Trace, record, replay, routing_confidence, routing_metrics, specialization
 
-LN2 = math.log(2.0)
 # across ranks (moe_lab/algos/reductions.py), the metrics made here: rewards and lengths per sequence (a
 # sub-task's mean reward too, weighted by the part's sequences: exact when the parts hold equal shares of it)
 REDUCTIONS = {
@@ -94,12 +94,7 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
 def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, free_trace) -> dict[str, float]:
     """Rollout-vs-train mismatch: the sampler's log-probs and routing against the trainer's."""
     mask = batch.response_mask_BT
-    d_BT = torch.where(mask, batch.logp_rollout_BT - logp_old_BT, torch.zeros_like(logp_old_BT))
-    # Samples come from the rollout policy: k3 with r = pi_train / pi_rollout = exp(-d) estimates
-    # KL(rollout || train) unbiasedly (Schulman's k3: (r - 1) - log r).
-    k3_BT = torch.exp(-d_BT) + d_BT - 1
-    out = {"mismatch/k3": float(masked_mean(k3_BT, mask)),
-           "mismatch/extreme_frac": float(masked_mean((d_BT.abs() > LN2).float(), mask))}
+    out = rollout_mismatch(batch.logp_rollout_BT, logp_old_BT, mask)
     if batch.trace is not None and free_trace is not None:
         out["mismatch/expert_change"] = routing_metrics(batch.trace, free_trace, mask, prefix="")["expert_change"]
     return out
