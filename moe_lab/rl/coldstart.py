@@ -293,6 +293,17 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
+def recorded(cfg: RunConfig) -> dict:
+    """What the run's manifest says of its cold start (``coldstart``): the cache entry's supervised steps, sampled
+    accuracy, whether it reached the target, and key; {} when the entry holds no metadata. The step count is the
+    first thing that differs between processors (`moe-lab verify` compares it)."""
+    try:
+        meta = json.loads((cache_root(cfg) / cache_key(cfg) / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: meta[k] for k in ("steps", "accuracy", "reached", "key") if k in meta}
+
+
 def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> Path:
     """Directory of the warmed-up model + tokenizer for cfg (load with models.load_model / from_pretrained).
 

@@ -25,7 +25,7 @@ import torch
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
 from moe_lab.rl import checkpoint, health, seeds
-from moe_lab.rl.coldstart import cold_start
+from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
 from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
@@ -198,7 +198,7 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     # the health after the logged rows (only the writer holds them); from then on every process advances it
     # on the same global rows, so that all stop at the same step
     run_health = split.broadcast(_health(cfg, log) if log else None)
-    extra = split.manifest_extra()
+    extra = {**split.manifest_extra(), "coldstart": recorded(cfg)}
     if log:
         log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, machine=machine_info(),
                            **run_health.manifest())

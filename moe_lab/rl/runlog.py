@@ -37,6 +37,7 @@ from typing import Any
 import pandas as pd
 
 from moe_lab.constants import MACHINE_ENV
+from moe_lab.rl.cpuinfo import processor_info
 from moe_lab.config import ConfigError, dump_yaml, from_dict, load_yaml, upgrade_run_config, validate
 
 STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "running", "failed", "interrupted"
@@ -235,7 +236,8 @@ def run_status(manifest: dict) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """What decides a CPU run's floating-point results besides the code: the kernels torch dispatches to
-    (cpu_capability), the BLAS it was built with, the intra-op thread count, and the env vars that pin them."""
+    (cpu_capability), the BLAS it was built with, the intra-op thread count, the env vars that pin them, and
+    the processor (``cpu``: MKL and oneDNN also choose code paths by its model; moe_lab/rl/cpuinfo.py)."""
     import torch
 
     build = torch.__config__.show()
@@ -243,7 +245,7 @@ def machine_info() -> dict[str, Any]:
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": blas and blas.group(1),
             "mkl": torch.backends.mkl.is_available(), "mkldnn": torch.backends.mkldnn.is_available(),
             "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "env": {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}}
+            "env": {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}, "cpu": processor_info()}
 
 
 def config_state(run_dir: Path, config_text: str) -> str:
