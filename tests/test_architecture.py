@@ -14,7 +14,8 @@ import moe_lab
 PKG = Path(moe_lab.__file__).resolve().parent
 # layer of each top-level part of moe_lab: a module may import from its own layer or a lower one
 LAYERS = {"errors": 0, "constants": 0, "yaml_io": 0, "config_rules": 0, "config_legacy": 0, "config": 1, "algos": 2, "models": 2, "routing": 3,
-          "tasks": 2, "rl": 4, "launch": 5, "analysis": 5, "train": 6, "cli": 6}
+          "tasks": 2, "rl": 4, "launch": 5, "analysis": 5, "train": 6, "cli": 6,
+          "integrations": 7}
 
 
 def _modules() -> dict[str, Path]:
@@ -111,6 +112,17 @@ def test_layers_import_downwards_only():
            if m != "moe_lab" for dep, _, _ in _imports(m, p)
            if dep in MODULES and dep != "moe_lab" and _layer(dep) > _layer(m)]
     assert not bad, "\n".join(bad)
+
+
+def test_nothing_in_moe_lab_imports_the_integrations():
+    """moe_lab.integrations sits on top (it may need third-party trainers such as TRL): no other module, the
+    package's __init__ included, imports it, not even deferred or by name (importlib)."""
+    bad = [f"{m} imports {dep}" for m, p in MODULES.items() if not m.startswith("moe_lab.integrations")
+           for dep, _, _ in _imports(m, p) if dep.startswith("moe_lab.integrations")]
+    bad += [f"{m} names moe_lab.integrations" for m, p in MODULES.items()
+            if not m.startswith("moe_lab.integrations") and "moe_lab.integrations" in p.read_text(encoding="utf-8")]
+    assert not bad, "\n".join(bad)
+    assert "moe_lab.integrations.trl" in MODULES  # the check above looked at a tree that holds them
 
 
 def test_every_subpackage_says_what_it_is():

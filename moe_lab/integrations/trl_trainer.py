@@ -1,0 +1,243 @@
+"""MoEGRPOTrainer: TRL's GRPOTrainer with moe_lab's Routing Replay (R2/R3) and routing metrics.
+
+Four of TRL's hooks are overridden, each calling TRL's own code (trl 1.16):
+- ``_generate_single_turn`` (HF generate): routing recorded during generation (R3's trace), with the sampled
+  tokens' log-probs when metrics are on;
+- ``_get_per_token_logps_and_entropies``: position ids from the attention mask in every training forward; in
+  TRL's old-policy pass, one record() (R3: replay() of the rollout's routing) per model call (TRL's chunks);
+- ``_generate_and_score_completions``: the traces join the batch dict batch-first (TRL's shuffle/split keep
+  them on their rows);
+- ``_prepare_inputs`` + ``training_step``: the loss forward AND its backward run inside one replay() (or
+  record()) of the batch's routing, so gradient checkpointing's recompute routes as the forward did; metrics
+  follow the backward. The routing state is one explicit object per trainer (``MoEState``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import ExitStack
+
+import torch
+
+from moe_lab.integrations.trl_config import MoEGRPOConfig
+from moe_lab.algos.ratio_metrics import ratio_decomposition
+from moe_lab.integrations import trl_metrics as M
+from moe_lab.integrations.trl_routing import (RolloutLogp, fit_columns, position_ids, response_mask_BS, routing_run,
+                                              to_batch, to_trace)
+from moe_lab.integrations.trl_state import LossScope, MoEState, join_chunks, old_reference
+from moe_lab.models import moe_layers
+from moe_lab.routing import record, router_logp_probe
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+
+TRL_TEXT_ONLY = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                 "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
+
+
+class MoEGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer, used the same way, for transformers MoE models of moe_lab's families; ``args`` is a
+    MoEGRPOConfig (``routing_replay``, ``moe_metrics``, ``moe_decomp_every``, ``moe_position_ids``)."""
+
+    def __init__(self, model, reward_funcs, args: MoEGRPOConfig | None = None, *rest, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = MoEGRPOConfig(f"{str(name).split('/')[-1] or 'model'}-MoE-GRPO")
+        if not isinstance(args, MoEGRPOConfig):
+            raise ValueError(f"args: expected a MoEGRPOConfig (GRPOConfig plus routing_replay, moe_metrics), got "
+                             f"{type(args).__name__}")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        layers = moe_layers(self.model)  # a model with no router of a supported family is refused here
+        self._moe_like = {"E": layers[0].router.num_experts, "family": layers[0].family.name}
+        self._moe = MoEState()
+        self._moe_check_setup()
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    def _moe_on_policy(self) -> bool:
+        """TRL's own condition for skipping the old pass: then old log-probs = the loss's, detached (ratio 1)."""
+        every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % every == 0 and not (
+            self.use_vllm and self.vllm_importance_sampling_correction)
+
+    def _moe_check_setup(self) -> None:
+        mode = self.args.routing_replay
+        if mode == "rollout" and (self.rollout_func is not None or self.use_transformers_continuous_batching
+                                  or self.tools):
+            raise ValueError("routing_replay='rollout' needs TRL's single-turn HF generate path (no rollout_func, "
+                             "no tools, no continuous batching); allowed there: routing_replay='none' or 'old'")
+        if mode == "old" and self._moe_on_policy():
+            warnings.warn("routing_replay='old' (R2) cannot act: this run is on-policy (gradient_accumulation_steps "
+                          f"{self.args.gradient_accumulation_steps} is a multiple of steps_per_generation * "
+                          f"num_iterations = {self.args.steps_per_generation * self.num_iterations}), so TRL runs no "
+                          "old-policy pass and every ratio is 1; routing is only recorded", stacklevel=3)
+
+    def _moe_is_policy(self, model) -> bool:
+        return model is self.model or model is self.model_wrapped or self.accelerator.unwrap_model(model) is self.model
+
+    def _moe_records_rollout(self) -> bool:
+        return (self.model.training and not self.use_vllm and not self.use_transformers_continuous_batching
+                and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not self._moe_records_rollout():
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        logp = RolloutLogp(self.temperature) if self.args.moe_metrics else None
+        with ExitStack() as stack:
+            trace = stack.enter_context(record(self.model, weights=False))
+            if logp is not None:
+                stack.callback(self.model.register_forward_hook(logp.hook, with_kwargs=True).remove)
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                     num_generations, has_tool_images)
+        self._moe.rollout = (trace, None if logp is None else logp.finish(completion_ids))
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        state = self._moe
+        state.phase, state.old_runs = "old", []
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            state.phase = None
+        out.update(self._moe_batch_routing(out["prompt_ids"].size(1), out["completion_ids"].size(1)))
+        return out
+
+    def _moe_batch_routing(self, P: int, C: int) -> dict[str, torch.Tensor]:
+        """The generation's and the old pass's routing as batch-first tensors over the S = P + C columns."""
+        state, out = self._moe, {}
+        rollout, state.rollout = state.rollout, None
+        if rollout is not None:
+            trace, logp_BC = rollout
+            out["moe_rollout_ids"] = fit_columns(to_batch(trace.indices), P + C)
+            if logp_BC is not None:
+                out["moe_rollout_logp"] = fit_columns(logp_BC[:, None, :, None], C)[:, 0, :, 0]
+        if state.old_runs:
+            out.update(join_chunks(state.old_runs))
+            state.old_runs = []
+        return out
+
+    # ------------------------------------------------------------------------------------------- forwards
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        state, policy = self._moe, self._moe_is_policy(model)
+        with position_ids(self.accelerator.unwrap_model(model), self.args.moe_position_ids):
+            if state.phase == "old" and policy:
+                return self._moe_old_pass(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                             batch_size, **kwargs)
+        if state.loss is not None and policy and torch.is_grad_enabled():
+            state.loss.logp_BC = out[0].detach()
+        return out
+
+    def _moe_old_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs):
+        """TRL's old pass, one routing context per model call (TRL's chunks of batch_size rows): free routing
+        recorded (R2's trace), or under R3 the rollout's routing replayed, as moe_lab's own old pass does."""
+        extra = [k for k in TRL_TEXT_ONLY if kwargs.get(k) is not None]
+        if extra:
+            raise ValueError(f"MoEGRPOTrainer: text models only; this batch carries {extra}")
+        forced_BLSK = None
+        if self.args.routing_replay == "rollout":
+            forced_BLSK = fit_columns(to_batch(self._moe.rollout[0].indices), input_ids.size(1))
+        step, parts = batch_size or input_ids.size(0), []
+        for start in range(0, input_ids.size(0), step):
+            rows = slice(start, start + step)
+            forced = None if forced_BLSK is None else to_trace(forced_BLSK[rows], self._moe_like)
+            with routing_run(self.model, forced, router_logp=True) as run:
+                parts.append(super()._get_per_token_logps_and_entropies(
+                    model, input_ids[rows], attention_mask[rows], logits_to_keep, None, **kwargs))
+            self._moe.old_runs.append(run)
+        aux = [p[2] for p in parts if p[2] is not None]
+        return (torch.cat([p[0] for p in parts]),
+                None if parts[0][1] is None else torch.cat([p[1] for p in parts]),
+                torch.stack(aux).mean() if aux else None)
+
+    # ------------------------------------------------------------------------------------------- loss step
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        state = self._moe
+        with ExitStack() as stack:
+            state.stack = stack
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                state.stack = None
+        scope, state.loss = state.loss, None  # the replay context has exited: backward ran inside it
+        if scope is not None and self.args.moe_metrics:
+            self._moe_log(model, scope)
+        return loss
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        state = self._moe
+        if state.stack is not None and self.model.training:
+            state.loss = self._moe_open_loss_scope(state.stack, inputs)
+        return inputs
+
+    def _moe_open_loss_scope(self, stack: ExitStack, inputs: dict) -> LossScope:
+        """Replay (or record) around the loss forward; the ExitStack closes after training_step's backward."""
+        mode, metrics = self.args.routing_replay, self.args.moe_metrics
+        ref = old_reference(inputs, mode, self._moe_like)
+        forced = ref if mode != "none" else None
+        run = stack.enter_context(routing_run(self.model, forced, router_logp=metrics))
+        probe = None
+        if metrics and forced is None and ref is not None and ref.router_logp_LBTK is not None:
+            probe = stack.enter_context(router_logp_probe(self.model, ref.indices))
+        return LossScope(inputs, ref, forced, run, probe)
+
+    # ------------------------------------------------------------------------------------------- metrics
+
+    def _moe_log(self, model, scope: LossScope) -> None:
+        """moe_lab's metrics of this loss step into TRL's ``_metrics`` (-> log_history, TensorBoard, W&B),
+        reduced across ranks as moe_lab declares each one."""
+        inputs, run = scope.inputs, scope.run
+        P = inputs["prompt_ids"].size(1)
+        mask_BC = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        mask_BS = response_mask_BS(mask_BC, P)
+        logp_BC = scope.logp_BC
+        logp_old_BC = inputs.get("old_per_token_logps", logp_BC)
+        if scope.probe is not None:
+            new_at_ref = scope.probe.at(scope.ref.indices)
+        else:
+            new_at_ref = run.used.router_logp_LBTK if scope.forced is not None else None
+        rollout = inputs.get("moe_rollout_ids")
+        old_free = inputs.get("moe_old_free_ids")
+        free_ref = run.free if old_free is None else to_trace(old_free, self._moe_like)
+        metrics = {**M.ratio_part(logp_BC, logp_old_BC, mask_BC),
+                   **M.routing_part(scope.ref, run.used, run.free, mask_BS, new_at_ref),
+                   **M.mismatch_part(None if rollout is None else to_trace(rollout, self._moe_like), free_ref,
+                                     mask_BS, inputs.get("moe_rollout_logp"), logp_old_BC, mask_BC),
+                   **self._moe_decomposition(model, scope, logp_old_BC, mask_BC)}
+        n_tok = int(mask_BC.sum())
+        for key, value in M.combine(self._moe_gather, metrics, mask_BC.size(0), n_tok).items():
+            self._metrics["train"][key].append(value)
+
+    def _moe_gather(self, obj: list) -> list:
+        from accelerate.utils import gather_object
+
+        return gather_object(obj) if self.accelerator.num_processes > 1 else obj
+
+    def _moe_decomposition(self, model, scope: LossScope, logp_old_BC, mask_BC) -> dict[str, float]:
+        """ratio/routing_share and ratio/d_* every moe_decomp_every-th loss step: one no-grad forward of the
+        batch under the routing the loss forward did not use (same weights: before the optimizer step)."""
+        every, state = self.args.moe_decomp_every, self._moe
+        if every == 0 or scope.ref is None or "old_per_token_logps" not in scope.inputs:
+            return {}
+        state.loss_steps += 1
+        if state.loss_steps % every:
+            return {}
+        inputs = scope.inputs
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        other = scope.ref if scope.forced is None else None
+        # fork_rng: dropout draws of this extra forward stay out of the training streams
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                routing_run(self.model, other):
+            other_BC = self._get_per_token_logps_and_entropies(model, ids, attn, inputs["completion_ids"].size(1))[0]
+        free_BC, ref_BC = (scope.logp_BC, other_BC) if scope.forced is None else (other_BC, scope.logp_BC)
+        return ratio_decomposition(free_BC, ref_BC, logp_old_BC, mask_BC, self.epsilon_low, self.epsilon_high)
