@@ -49,6 +49,11 @@ class ModelConfig:
                           "(qwen3_moe, mixtral, deepseek_v3, gpt_oss) give each token gate weight 1, so their router "
                           "gets no gradient from the policy loss (only from aux_loss_coef); qwen2_moe and olmoe keep "
                           "the softmax probability (Switch-style) and do", ge=1)
+    norm_topk_prob: bool | None = param(None, "renormalise the chosen experts' gate weights to sum to 1: None keeps "
+                                              "the family's own choice (qwen3_moe, deepseek_v3: True; qwen2_moe, olmoe: "
+                                              "False); False at top_k=1 makes the gate weight the router's probability "
+                                              "(Switch-style: the router learns from the policy loss). mixtral and "
+                                              "gpt_oss always renormalise: only None there")
     moe_intermediate_size: int = param(128, "hidden width of one routed expert", ge=1)
     intermediate_size: int = param(256, "hidden width of dense/shared-expert MLPs where the family has them", ge=1)
     shared_expert: bool = param(True, "keep the always-on shared expert of the families that have one (qwen2_moe, "
@@ -289,6 +294,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     m, rl = cfg.model, cfg.rl
     if m.top_k > m.num_experts:
         raise ConfigError(f"model.top_k={m.top_k} is out of range: allowed 1 <= top_k <= model.num_experts={m.num_experts}")
+    if m.norm_topk_prob is not None and m.family not in C.NORM_TOPK_FAMILIES:
+        raise ConfigError(f"model.norm_topk_prob={m.norm_topk_prob}: {m.family} always renormalises; allowed None, or "
+                          f"a family with the switch ({', '.join(C.NORM_TOPK_FAMILIES)})")
     if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads}: hidden_size ({m.hidden_size}) must be divisible by num_heads "
                           f"and num_heads by num_kv_heads ({m.num_kv_heads})")

@@ -44,6 +44,8 @@ ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "ti
 ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_BOUNDS)
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss")
+# families whose HF config has norm_topk_prob (model.norm_topk_prob may override it); the others always renormalise
+NORM_TOPK_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
 # The single tasks; "mixture" composes several of them (task.mixture), each prompt tagged with its task.
 SINGLE_TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
 TASKS = (*SINGLE_TASKS, "mixture")

@@ -22,9 +22,10 @@ REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay
 TREATMENTS = ("grpo_r2", "grpo_r3", "gspo", "gspo_token")
 
 
-def welch_diff_ci(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+def welch_diff_ci(a: Sequence[float], b: Sequence[float], floor_dof: bool = True) -> tuple[float, float, float]:
     """(mean(a) - mean(b), lo, hi): the difference of two means with its 95% Welch interval (unequal
-    variances; Welch-Satterthwaite degrees of freedom, floored: conservative). NaN bounds when either side has < 2 finite values."""
+    variances; Welch-Satterthwaite degrees of freedom, floored by default: conservative; ``floor_dof=False``
+    keeps them fractional, the textbook interval). NaN bounds when either side has < 2 finite values."""
     a, b = (np.asarray([v for v in x if math.isfinite(v)], float) for x in (a, b))
     if not len(a) or not len(b):
         return math.nan, math.nan, math.nan
@@ -37,7 +38,7 @@ def welch_diff_ci(a: Sequence[float], b: Sequence[float]) -> tuple[float, float,
         return diff, diff, diff
     dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     # Degrees of freedom floored to an integer: a tabulated quantile, and the interval errs wide, never narrow.
-    half = t_quantile_975(math.floor(dof)) * se
+    half = t_quantile_975(math.floor(dof) if floor_dof else dof) * se
     return diff, diff - half, diff + half
 
 

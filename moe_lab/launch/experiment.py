@@ -12,6 +12,9 @@ An experiment YAML::
     seeds: [0, 1, 2]
     minutes_2cores: 12                 # optional: runtime measured on 2 cores (`moe-lab list`), where no
                                        # committed reference records it
+    endpoints:                         # optional: fixed before the runs; `moe-lab compare` reads them
+      primary: {metric: eval/acc_greedy, last_evals: 5}      # (these are the defaults:
+      secondary: {metric: reward/mean, last_frac: 0.25}      #  moe_lab/analysis/endpoints.py)
 
 An arm may carry its own list of points under ``_points`` (e.g. clip ranges that differ per algorithm):
 ``gspo: {rl: {algo: gspo}, _points: [{rl.clip_low: 1e-4, rl.clip_high: 1.3e-4}, ...]}``.
@@ -36,7 +39,7 @@ from typing import Any
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
 
-TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "minutes_2cores")
+TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "minutes_2cores", "endpoints")
 BASE_LABEL = "base"
 
 
@@ -46,6 +49,44 @@ class Cell:
     arm: str
     seed: int
     config: RunConfig
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    primary_metric: str = "eval/acc_greedy"
+    """eval-table column averaged over the last ``last_evals`` scheduled evaluations"""
+    last_evals: int = 5
+    secondary_metric: str = "reward/mean"
+    """metrics-table column averaged over the last ``last_frac`` of the scheduled steps"""
+    last_frac: float = 0.25
+
+
+def endpoint_spec(exp: dict | None) -> EndpointSpec:
+    """The ``endpoints:`` block of an experiment (or the defaults), checked: one ConfigError naming the key."""
+    block = (exp or {}).get("endpoints")
+    if block is None:
+        return EndpointSpec()
+    if not isinstance(block, dict):
+        raise ConfigError(f"endpoints: expected a mapping with keys primary, secondary, got {block!r}")
+    unknown = set(block) - {"primary", "secondary", "tertiary"}
+    if unknown:
+        raise ConfigError(f"endpoints: unknown key(s) {sorted(map(str, unknown))}; allowed: primary, secondary, "
+                          "tertiary")
+    if block.get("tertiary", "collapse") != "collapse":
+        raise ConfigError(f"endpoints.tertiary: allowed 'collapse' (descriptive), got {block['tertiary']!r}")
+    p, s = block.get("primary") or {}, block.get("secondary") or {}
+    for key, part, allowed in (("primary", p, {"metric", "last_evals"}), ("secondary", s, {"metric", "last_frac"})):
+        if not isinstance(part, dict) or set(part) - allowed:
+            raise ConfigError(f"endpoints.{key}: expected a mapping with keys {', '.join(sorted(allowed))}, "
+                              f"got {part!r}")
+    spec = EndpointSpec(str(p.get("metric", EndpointSpec.primary_metric)), p.get("last_evals", 5),
+                        str(s.get("metric", EndpointSpec.secondary_metric)), s.get("last_frac", 0.25))
+    if isinstance(spec.last_evals, bool) or not isinstance(spec.last_evals, int) or spec.last_evals < 1:
+        raise ConfigError(f"endpoints.primary.last_evals: allowed an integer >= 1, got {spec.last_evals!r}")
+    if isinstance(spec.last_frac, bool) or not isinstance(spec.last_frac, (int, float)) \
+            or not 0 < spec.last_frac <= 1:
+        raise ConfigError(f"endpoints.secondary.last_frac: allowed a number in (0, 1], got {spec.last_frac!r}")
+    return spec
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -112,6 +153,7 @@ def check_shape(exp: Any) -> None:
     sweep = exp.get("sweep")
     if sweep is not None and not isinstance(sweep, dict):
         raise ConfigError(f"sweep: expected a mapping of dotted.field -> list of values, got {sweep!r}")
+    endpoint_spec(exp)  # raises on a malformed endpoints block
     seeds = exp.get("seeds")
     if seeds is not None and not (isinstance(seeds, list) and seeds and all(map(_is_seed, seeds))):
         raise ConfigError(f"seeds: expected a non-empty list of integers >= 0 (e.g. seeds: [0, 1, 2]), got {seeds!r}")

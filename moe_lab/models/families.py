@@ -163,22 +163,26 @@ def _shared_width(cfg: ModelConfig, width: int) -> int:
     return width if cfg.shared_expert else 0
 
 
+def _norm_topk(cfg: ModelConfig, family_default: bool) -> bool:
+    return family_default if cfg.norm_topk_prob is None else cfg.norm_topk_prob
+
+
 def _qwen3(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     return Qwen3MoeConfig(**kw, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+                          norm_topk_prob=_norm_topk(cfg, True), decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _qwen2(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     return Qwen2MoeConfig(**kw, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
                           shared_expert_intermediate_size=_shared_width(cfg, cfg.intermediate_size),
-                          norm_topk_prob=False,
+                          norm_topk_prob=_norm_topk(cfg, False),
                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _olmoe(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     # OLMoE's experts read config.intermediate_size: that is the routed-expert width here.
     return OlmoeConfig(**{**kw, "intermediate_size": cfg.moe_intermediate_size}, num_experts=cfg.num_experts,
-                       norm_topk_prob=False)
+                       norm_topk_prob=_norm_topk(cfg, False))
 
 
 def _mixtral(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
@@ -198,7 +202,7 @@ def _deepseek(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
                             first_k_dense_replace=0, n_group=n_group, topk_group=topk_group,
                             q_lora_rank=max(8, cfg.hidden_size // 2), kv_lora_rank=max(8, cfg.hidden_size // 4),
                             qk_rope_head_dim=rope_dim, qk_nope_head_dim=max(2, head_dim - rope_dim),
-                            v_head_dim=head_dim)
+                            v_head_dim=head_dim, norm_topk_prob=_norm_topk(cfg, True))
 
 
 def _gpt_oss(cfg: ModelConfig, kw: dict) -> PretrainedConfig:

@@ -20,6 +20,7 @@ from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
+from moe_lab.models import family_of_router
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
 from moe_lab.rl.groups import group_minibatch_indices
@@ -34,7 +35,7 @@ from moe_lab.routing import predictor
 REDUCTIONS = {
     "kl/ref": R.TOKEN_MEAN, "routing/aux_loss": R.SEQ_MEAN, "routing/expert_change_latent": R.TOKEN_MEAN,
     "routing/replay_replace_frac": R.TOKEN_MEAN, "policy/entropy": R.TOKEN_MEAN, "loss": R.SEQ_MEAN,
-    "optim/grad_norm": R.SAME, "optim/lr": R.SAME, "perf/*": R.SLOWEST,
+    "optim/grad_norm": R.SAME, "optim/router_grad_norm": R.SAME, "optim/lr": R.SAME, "perf/*": R.SLOWEST,
     "step": R.SAME, "epoch": R.SAME, "minibatch": R.SAME, "update": R.SAME,  # a row's keys (rl_step)
 }
 
@@ -113,12 +114,23 @@ def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: Run
     return loss, metrics, logp_BT.detach()
 
 
-def _backward(policy, loss: torch.Tensor, grad_clip: float) -> float:
+def _backward(policy, loss: torch.Tensor, grad_clip: float) -> tuple[float, float]:
+    """(gradient norm, the routers' part of it), both before clipping (after DDP's all-reduce: global)."""
     if not torch.isfinite(loss):
-        return float("nan")
+        return float("nan"), float("nan")
     loss.backward()
+    router = router_grad_norm(policy)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+    return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)), router
+
+
+def router_grad_norm(policy) -> float:
+    """L2 norm of the gradient on every router's weights: whether the router learns from the loss at all
+    (top-1 with renormalised gate weights gives it none from the policy loss). 0 when no router has a gradient
+    (frozen router, or no routers)."""
+    grads = [p.grad.detach().float().norm() for m in policy.modules() if family_of_router(m) is not None
+             for p in m.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
 
 
 def _decomp_clip(rl) -> tuple[float, float]:
@@ -167,7 +179,7 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
             loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
-        grad_norm = _backward(policy, loss, cfg.rl.grad_clip)
+        grad_norm, router_norm = _backward(policy, loss, cfg.rl.grad_clip)
     metrics.update(_decomposition(policy, data, idx_B, forced, ref, logp_BT, cfg, step, update_idx))
     if math.isfinite(grad_norm):
         optimizer.step()
@@ -175,7 +187,8 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     metrics.update(_routing_row(ref, used, latent, mask, shift))
     if forced is not None and cfg.rl.replay_gate > 0:
         metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
-    metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/lr": lr,
+    metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/router_grad_norm": router_norm,
+                    "optim/lr": lr,
                     "perf/update_s": time.perf_counter() - t0})
     return metrics
 

@@ -1,0 +1,186 @@
+"""Endpoints fixed before a multi-seed run, and every pair of arms compared on them (`moe-lab compare`).
+
+An experiment file may declare its endpoints (``endpoints:``, read by ``launch.experiment.endpoint_spec``); without one the
+defaults below apply, which are the ones the science issue fixed before its runs:
+
+- primary: per seed, the mean greedy accuracy over the last 5 scheduled evaluations (eval/acc_greedy);
+- secondary: per seed, the mean sampled reward over the last 25% of the scheduled RL steps (reward/mean);
+- tertiary, descriptive only: whether the run collapsed (a collapse rule fired; rl/health.py).
+
+A run a collapse rule stopped has no rows after its stop: its last value is carried forward over the steps it
+did not reach (the policy it stopped with is its final policy), so an early stop is neither dropped nor
+averaged over the good steps before it. "Scheduled" means the experiment's own grid (every ``rl.eval_every``
+steps and the last step; steps 1..``rl.steps``), not whatever a run happened to log.
+
+For every pair of arms: the difference of the per-seed means with its 95% Welch interval (Welch-Satterthwaite
+degrees of freedom, fractional: the textbook interval, which scipy's ttest_ind(equal_var=False) also gives) and an exact two-sided permutation p-value
+(every split of the pooled seeds; a Monte Carlo estimate from a fixed generator where the splits exceed
+``EXACT_LIMIT``, marked in the table).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from moe_lab.analysis.replay_map import welch_diff_ci
+from moe_lab.config import ConfigError
+from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
+
+EXACT_LIMIT = 2_000_000  # splits enumerated exactly (10 vs 10 seeds: 184,756)
+MC_SAMPLES = 200_000
+MC_SEED = 0
+
+
+def eval_schedule(steps: int, eval_every: int) -> list[int]:
+    """The steps at which a run of ``steps`` RL steps evaluates when it is not stopped (rl/loop.py)."""
+    grid = list(range(0, steps + 1, eval_every)) if eval_every > 0 else [0]
+    return grid if grid[-1] == steps else [*grid, steps]
+
+
+def _carried(values: pd.Series, grid: Sequence[int]) -> np.ndarray:
+    """``values`` (indexed by step) at each grid step: the last value at or before it (carried forward)."""
+    values = values.dropna().sort_index()
+    if values.empty:
+        return np.full(len(grid), math.nan)
+    pos = np.searchsorted(values.index.to_numpy(), np.asarray(grid), side="right") - 1
+    out = values.to_numpy(dtype=float)[np.clip(pos, 0, None)]
+    return np.where(pos >= 0, out, math.nan)
+
+
+def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec = EndpointSpec()) -> pd.DataFrame:
+    """One row per run: experiment, arm, seed, run_id, status, primary, secondary, collapsed (bool)."""
+    rows = []
+    keys = [k for k in ("experiment", "arm", "seed", "run_id") if k in evals.columns]
+    by_run = dict(tuple(metrics.groupby(keys, sort=True))) if len(metrics) else {}
+    for key, ev in evals.groupby(keys, sort=True):
+        first = ev.iloc[0]
+        steps, every = int(first["rl.steps"]), int(first["rl.eval_every"])
+        grid = eval_schedule(steps, every)[-spec.last_evals:]
+        acc = ev.groupby("step")[spec.primary_metric].mean()
+        m = by_run.get(key)
+        secondary = math.nan
+        if m is not None and spec.secondary_metric in m:
+            per_step = m.groupby("step")[spec.secondary_metric].mean()
+            tail = list(range(steps - math.ceil(spec.last_frac * steps) + 1, steps + 1))
+            secondary = float(np.nanmean(_carried(per_step, tail)))
+        collapsed = bool(np.isfinite(ev["collapsed_at"].astype(float)).any()) if "collapsed_at" in ev else False
+        rows.append({**dict(zip(keys, key)), "arm_base": first.get("arm_base", key[keys.index("arm")]),
+                     "setting": str(key[keys.index("arm")]).partition("__")[2], "status": first.get("status"),
+                     "primary": float(np.nanmean(_carried(acc, grid))), "secondary": secondary,
+                     "collapsed": collapsed})
+    return pd.DataFrame(rows)
+
+
+def permutation_p(a: Sequence[float], b: Sequence[float]) -> tuple[float, bool]:
+    """(two-sided p of the difference of means, exact?): the share of splits of the pooled values into groups
+    of len(a) and len(b) whose |difference of means| is at least the observed one (ties within 1e-12)."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if not len(a) or not len(b):
+        return math.nan, True
+    pooled, n, total = np.concatenate([a, b]), len(a), len(a) + len(b)
+    observed = abs(a.mean() - b.mean())
+    exact = math.comb(total, n) <= EXACT_LIMIT
+    if exact:
+        idx = np.array(list(itertools.combinations(range(total), n)), dtype=np.int64)
+    else:
+        rng = np.random.default_rng(MC_SEED)
+        idx = np.argsort(rng.random((MC_SAMPLES, total)), axis=1)[:, :n]
+    sum_a = pooled[idx].sum(axis=1)
+    diffs = np.abs(sum_a / n - (pooled.sum() - sum_a) / (total - n))
+    return float(np.mean(diffs >= observed - 1e-12)), exact
+
+
+def compare_arms(per_run: pd.DataFrame, baseline: str | None = None,
+                 columns: Sequence[str] = ("primary", "secondary")) -> pd.DataFrame:
+    """Every pair of arms within a setting (an arm's sweep/control label; one setting without labels), or each
+    arm against ``baseline`` (an arm name without its label) there: per endpoint the difference (arm - vs) with
+    its Welch 95% interval and permutation p; n of each side; collapses of each side (descriptive)."""
+    names = list(dict.fromkeys(per_run["arm_base"]))
+    if baseline is not None and baseline not in names:
+        raise ConfigError(f"--baseline={baseline}: no such arm; allowed: {', '.join(names)}")
+    rows = []
+    for setting, runs in per_run.groupby("setting", sort=False):
+        arms = list(dict.fromkeys(runs["arm_base"]))
+        pairs = [(a, baseline) for a in arms if a != baseline and baseline in arms] if baseline \
+            else list(itertools.combinations(arms, 2))
+        rows += [_pair_row(runs, setting, arm, other, columns) for arm, other in pairs]
+    return pd.DataFrame(rows)
+
+
+def _pair_row(runs: pd.DataFrame, setting: str, arm: str, other: str, columns: Sequence[str]) -> dict:
+    x, y = runs[runs["arm_base"] == arm], runs[runs["arm_base"] == other]
+    row = {"setting": setting, "arm": arm, "vs": other, "n": len(x), "n_vs": len(y)}
+    for col in columns:
+        diff, lo, hi = welch_diff_ci(x[col].tolist(), y[col].tolist(), floor_dof=False)
+        p, exact = permutation_p(x[col].dropna(), y[col].dropna())
+        row.update({f"{col}_diff": diff, f"{col}_lo": lo, f"{col}_hi": hi, f"{col}_p": p, f"{col}_p_exact": exact})
+    row.update(collapsed=int(x["collapsed"].sum()), collapsed_vs=int(y["collapsed"].sum()))
+    return row
+
+
+def arm_means(per_run: pd.DataFrame) -> pd.DataFrame:
+    """Per arm: n, the mean of each endpoint with its 95% t-interval, and collapses (k of n)."""
+    from moe_lab.analysis.tables import mean_ci
+
+    rows = []
+    for (setting, arm), g in per_run.groupby(["setting", "arm_base"], sort=False):
+        row = {"setting": setting, "arm": arm, "n": len(g), "collapsed": int(g["collapsed"].sum())}
+        for col in ("primary", "secondary"):
+            row[col], row[f"{col}_lo"], row[f"{col}_hi"] = mean_ci(g[col])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def load_comparison(results: str | Path, baseline: str | None = None) -> tuple[EndpointSpec, pd.DataFrame,
+                                                                                    pd.DataFrame, pd.DataFrame]:
+    """(spec, per-run endpoints, per-arm means, pairs) of an experiment folder; the spec from the folder's own
+    experiment.yaml (the one it ran), else the defaults. One ValueError line for a folder with no runs."""
+    from moe_lab.analysis.tables import load_runs
+    from moe_lab.config import load_yaml
+
+    folder = Path(results)
+    if not folder.is_dir():
+        raise ConfigError(f"RESULTS_DIR={results}: no such folder")
+    exp_file = folder / "experiment.yaml"
+    spec = endpoint_spec(load_yaml(str(exp_file)) if exp_file.is_file() else None)
+    metrics, evals = load_runs(folder)
+    if not len(evals):
+        raise ConfigError(f"RESULTS_DIR={results}: no finished runs with evaluations")
+    if spec.primary_metric not in evals:
+        raise ConfigError(f"endpoints.primary.metric={spec.primary_metric}: not a column of the eval tables")
+    per_run = run_endpoints(metrics, evals, spec)
+    return spec, per_run, arm_means(per_run), compare_arms(per_run, baseline)
+
+
+def _ci(mean: float, lo: float, hi: float, signed: bool = False) -> str:
+    fmt = "{:+.3f}" if signed else "{:.3f}"
+    if not math.isfinite(lo):
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} [{lo:+.3f}, {hi:+.3f}]" if signed else f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def format_comparison(spec: EndpointSpec, arms: pd.DataFrame, pairs: pd.DataFrame) -> str:
+    """The two markdown tables `moe-lab compare` prints: per arm, then per pair of arms."""
+    head = (f"primary: mean {spec.primary_metric} over the last {spec.last_evals} scheduled evaluations; "
+            f"secondary: mean {spec.secondary_metric} over the last {spec.last_frac:.0%} of steps "
+            f"(a stopped run's last value carried forward); 95% t / Welch intervals")
+    lines = [head, "", "| setting | arm | n | primary (95% t) | secondary (95% t) | collapsed |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r.setting} | {r.arm} | {r.n} | {_ci(r.primary, r.primary_lo, r.primary_hi)} | "
+              f"{_ci(r.secondary, r.secondary_lo, r.secondary_hi)} | {r.collapsed}/{r.n} |"
+              for r in arms.itertuples()]
+    lines += ["", "| setting | arm − vs | primary diff (Welch 95%) | p | secondary diff (Welch 95%) | p | collapsed |",
+              "|---|---|---|---|---|---|---|"]
+    for r in pairs.itertuples():
+        p1 = f"{r.primary_p:.4f}" + ("" if r.primary_p_exact else " (MC)")
+        p2 = f"{r.secondary_p:.4f}" + ("" if r.secondary_p_exact else " (MC)")
+        lines.append(f"| {r.setting} | {r.arm} − {r.vs} | {_ci(r.primary_diff, r.primary_lo, r.primary_hi, True)} | {p1} | "
+                     f"{_ci(r.secondary_diff, r.secondary_lo, r.secondary_hi, True)} | {p2} | "
+                     f"{r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} |")
+    return "\n".join(lines)
