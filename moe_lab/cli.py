@@ -2,7 +2,8 @@
 
 Exit codes: 0 every run finished (done, or collapsed: stopped by a collapse rule, a result like any other);
 1 some run did not finish (failed, or locked by another runner) or some run could not be plotted; 2 bad
-input (one line on stderr, nothing written); 130 interrupted by Ctrl-C.
+input (one line on stderr, nothing written); 130 interrupted by Ctrl-C. `moe-lab verify`: 1 means some cell
+gave other bits on the same machine (moe_lab/launch/verify.py).
 """
 
 from __future__ import annotations
@@ -135,6 +136,25 @@ def _config_table() -> str:
     return "\n".join(lines)
 
 
+def _add_verify_parser(sub) -> None:
+    p = sub.add_parser("verify", help="re-run a few cells of a results folder and say whether this machine gives "
+                                      "the same bits (moe_lab/launch/verify.py; docs/guide.md)")
+    p.add_argument("results", help="results folder (experiment.yaml, runs/<run_id>/config.yaml), e.g. "
+                                   "results/reference/golden/default")
+    p.add_argument("--cells", default=None, help="cells to re-run: N or all (default 2: the lowest seed of the "
+                                                 "first and of the last arm)")
+    p.add_argument("--steps", default=None, help="RL steps per cell: K or all (default 3; all = the whole run, "
+                                                 "then the primary endpoint is checked against the seed spread)")
+
+
+def _verify(argv: list[str], args) -> int:
+    from moe_lab.launch.verify import pin_like_reference, prepare, recorded_pins, verify
+
+    runs, chosen, steps, exp = prepare(args.results, args.cells, args.steps)
+    pin_like_reference(recorded_pins(chosen), argv)  # before any work: kernels are chosen at first use
+    return verify(runs, chosen, steps, exp)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-lab", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -150,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", help="experiment results folder")
     p.add_argument("--out", default=None, help="figure folder (default: RESULTS/figures)")
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")
+    _add_verify_parser(sub)
     p = sub.add_parser("config", help="print the table of every config field (markdown)")
     sub.add_parser("list", help="every built-in experiment: first sentence of its description, cells, runtime on "
                                 "2 cores")
@@ -212,6 +233,8 @@ def _main(argv: list[str]) -> int:
             return max(code, _plot(args.out, None, "png"))
         if args.cmd == "plot":
             return _plot(args.results, args.out, args.format)
+        if args.cmd == "verify":
+            return _verify(argv, args)
         if args.cmd == "list":
             from moe_lab.launch.catalog import catalog, format_catalog
 
