@@ -1,0 +1,281 @@
+"""moe_lab.integrations.trl inside TRL's GRPOTrainer, observed by the tests' own hooks on the experts modules
+(the ids each experts module actually received), never through the replay machinery's own records.
+
+Tiny models (2 MoE layers, width 32, 4 experts, top-2), left-padded sort prompts of unequal length, 2-4 TRL steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from moe_lab.algos.ratio_metrics import policy_metrics, rollout_mismatch  # noqa: E402
+from moe_lab.config import from_dict, validate  # noqa: E402
+from moe_lab.integrations import trl_metrics  # noqa: E402
+from moe_lab.integrations.trl import MoEGRPOConfig, MoEGRPOTrainer  # noqa: E402
+from moe_lab.models import build_model, moe_layers  # noqa: E402
+from moe_lab.rl.dp_split import reduction_of, reductions  # noqa: E402
+from moe_lab.routing import expert_change  # noqa: E402
+from moe_lab.tasks import get_task  # noqa: E402
+
+TASKS = {n: get_task(validate(from_dict({"task": {"name": "sort", "length": n, "eval_size": 8}})).task) for n in (3, 4, 5)}
+TOKENIZER = TASKS[4].tokenizer
+
+
+def tiny_model(family: str):
+    cfg = validate(from_dict({"model": {"family": family, "num_layers": 2, "hidden_size": 32, "num_heads": 2,
+                                        "num_kv_heads": 1, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32,
+                                        "intermediate_size": 64}}))
+    return build_model(cfg.model, len(TOKENIZER), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def reward(prompts, completions, **_):
+    return [TASKS[len(p) - 1].reward(p, c) for p, c in zip(prompts, completions)]
+
+
+def dataset(seed: int = 0):
+    """Sort prompts of 3, 4 and 5 digits mixed: every generation batch is left-padded to unequal lengths."""
+    rng = np.random.default_rng(seed)
+    prompts = [p for _ in range(4) for n in (3, 4, 5) for p in TASKS[n].sample_prompts(1, rng)]
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def trainer(tmp_path, family="qwen3_moe", mode="old", **over):
+    """Off-policy by default (steps_per_generation=2, one microbatch per optimizer step): TRL runs its old pass
+    and the second microbatch of each generation trains on weights one update away from it."""
+    kw = dict(output_dir=str(tmp_path), routing_replay=mode, per_device_train_batch_size=4, num_generations=4,
+              steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, learning_rate=0.05,
+              max_steps=2, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+              gradient_checkpointing=True, beta=0.0, seed=0, shuffle_dataset=False)
+    kw.update(over)
+    torch.manual_seed(0)
+    return MoEGRPOTrainer(model=tiny_model(family), reward_funcs=reward, args=MoEGRPOConfig(**kw),
+                          train_dataset=dataset(), processing_class=TOKENIZER)
+
+
+class Spy:
+    """The tests' own hooks: per model call (input ids, attention mask, grad mode), the ids every experts module
+    received (runs after the call's own, e.g. checkpointing's recompute in backward, are kept apart) and the
+    router's own top-k (its raw output, seen before any other hook of the router)."""
+
+    def __init__(self, model):
+        self.calls: list[dict] = []
+        self.handles = [model.register_forward_pre_hook(self._call, with_kwargs=True)]
+        experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+        routers = [layer.router for layer in moe_layers(model)]
+        assert len(experts) == len(routers) == 2
+        for pos, (ex, router) in enumerate(zip(experts, routers)):
+            self.handles.append(ex.register_forward_pre_hook(lambda m, a, pos=pos: self._ids("used", pos, a[1])))
+            h = router.register_forward_hook(lambda m, a, out, pos=pos: self._ids("own", pos, out[2]), prepend=True)
+            self.handles.append(h)
+
+    def _call(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        self.calls.append(dict(ids=ids.detach().clone(), mask=kwargs.get("attention_mask"),
+                               grad=torch.is_grad_enabled(), used=[[], []], own=[[], []]))
+
+    def _ids(self, kind, pos, ids_NK):
+        self.calls[-1][kind][pos].append(ids_NK.detach().clone())
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+    def ids_LBSK(self, call: dict, kind: str, run: int = 0) -> torch.Tensor:
+        B, S = call["ids"].shape
+        return torch.stack([call[kind][pos][run].reshape(B, S, -1) for pos in range(2)]).sort(-1).values
+
+    def full_calls(self, grad: bool, seq_len: int) -> list[dict]:
+        return [c for c in self.calls if c["grad"] == grad and c["ids"].shape[1] == seq_len]
+
+
+def loss_calls(spy: Spy) -> list[dict]:
+    return [c for c in spy.calls if c["grad"]]
+
+
+def match_rows(ids_BS: torch.Tensor, pool_BS: torch.Tensor) -> list[int]:
+    """For each row, a row of the pool with the same tokens (identical sequences route identically)."""
+    out = []
+    for row in ids_BS:
+        hits = (pool_BS[:, :row.shape[0]] == row).all(-1).nonzero()
+        assert len(hits), "a loss row is missing from the pool"
+        out.append(int(hits[0]))
+    return out
+
+
+def old_vs_loss(spy: Spy, kind: str = "used") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(old-pass experts, loss-forward experts, real-token mask) per loss call, rows matched by their tokens."""
+    out = []
+    for call in loss_calls(spy):
+        S = call["ids"].shape[1]
+        old = spy.full_calls(False, S)
+        old_ids = torch.cat([c["ids"] for c in old])
+        old_LBSK = torch.cat([spy.ids_LBSK(c, "used") for c in old], dim=1)
+        rows = match_rows(call["ids"], old_ids)
+        out.append((old_LBSK[:, rows], spy.ids_LBSK(call, kind), call["mask"].bool()))
+    return out
+
+
+def run(t) -> Spy:
+    spy = Spy(t.model)
+    try:
+        t.train()
+    finally:
+        spy.remove()
+    return spy
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_r2_loss_forward_uses_the_old_pass_experts(tmp_path, family):
+    t = trainer(tmp_path, family, "old", learning_rate=0.5)
+    spy = run(t)
+    pairs = old_vs_loss(spy)
+    assert len(pairs) == 2
+    for old_LBSK, used_LBSK, mask_BS in pairs:
+        assert torch.equal(old_LBSK[:, mask_BS], used_LBSK[:, mask_BS])
+    # gradient checkpointing: the recompute in backward (a second run of each experts module) used them too
+    for call, (old_LBSK, _, mask_BS) in zip(loss_calls(spy), pairs):
+        assert all(len(runs) == 2 for runs in call["used"])
+        assert torch.equal(old_LBSK[:, mask_BS], spy.ids_LBSK(call, "used", run=1)[:, mask_BS])
+    # after one update at lr 0.5 the routers would choose otherwise on the second microbatch (the latent change)
+    second_old, _, mask = pairs[1]
+    own = spy.ids_LBSK(loss_calls(spy)[1], "own")
+    assert not torch.equal(second_old[:, mask], own[:, mask])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_without_replay_the_loss_forward_routes_differently_after_a_large_update(tmp_path, family):
+    spy = run(trainer(tmp_path, family, "none", learning_rate=0.5))
+    (old0, used0, mask0), (old1, used1, mask1) = old_vs_loss(spy)
+    assert torch.equal(old0[:, mask0], used0[:, mask0])  # same weights as the old pass: same experts
+    assert not torch.equal(old1[:, mask1], used1[:, mask1])  # one update later: moved
+
+
+def generation_experts(spy: Spy, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full token rows, experts (L, B, S-1, k)) of the generate() call: its prefill plus one column per step."""
+    gen = [c for c in spy.calls if not c["grad"] and c["ids"].shape[1] != seq_len]
+    prefill = [i for i, c in enumerate(gen) if c["ids"].shape[1] > 1]
+    assert len(prefill) == 1
+    cols = [spy.ids_LBSK(c, "used") for c in gen]
+    ids = torch.cat([gen[0]["ids"]] + [c["ids"] for c in gen[1:]], dim=1)
+    return ids, torch.cat(cols, dim=2)
+
+
+def test_r3_loss_forward_uses_the_generation_experts_on_left_padded_rows(tmp_path):
+    t = trainer(tmp_path, "qwen3_moe", "rollout", learning_rate=0.5)
+    spy = run(t)
+    for call in loss_calls(spy):
+        B, S = call["ids"].shape
+        assert bool((call["mask"][:, 0] == 0).any()), "some prompts must be left-padded"
+        gen_ids, gen_LBSK = generation_experts(spy, S)
+        rows = match_rows(call["ids"][:, :S - 1], gen_ids)
+        used = spy.ids_LBSK(call, "used")[:, :, :S - 1]  # the last column scores nothing: never generated
+        mask = call["mask"][:, :S - 1].bool()
+        assert torch.equal(gen_LBSK[:, rows, :S - 1][:, mask], used[:, mask])
+
+
+def test_position_ids_make_training_forwards_score_as_generation(tmp_path):
+    """Left-padded rows. RoPE sees relative positions only, so TRL's forwards without position_ids (real tokens
+    numbered from the padding on) differ from generate() by rounding alone: measured ~1e-4 mean |d log p| on
+    these rows, no expert changed. With position ids from the mask (the default) the old pass reproduces the
+    generation's log-probs to float32 noise (~4e-8) and its experts exactly."""
+    logs = {}
+    for on in (True, False):
+        t = trainer(tmp_path / str(on), "qwen3_moe", "none", moe_position_ids=on, max_steps=1)
+        t.train()
+        logs[on] = t.state.log_history[0]
+    assert logs[True]["mismatch/abs_diff"] < 1e-6 and logs[True]["mismatch/expert_change"] == 0.0
+    assert logs[False]["mismatch/abs_diff"] > 1e-6
+
+
+def test_logged_metrics_equal_moe_labs_functions_on_the_hooked_experts(tmp_path):
+    """Under R2, routing/expert_change_latent is moe_lab's expert_change between the old pass's experts and the
+    router's own choice in the loss forward over the response positions, both seen by the tests' hooks."""
+    t = trainer(tmp_path, "qwen3_moe", "old", learning_rate=0.5)
+    spy = run(t)
+    rows = [r for r in t.state.log_history if "routing/expert_change_latent" in r]
+    assert len(rows) == 2
+    P = [c for c in spy.calls if not c["grad"]][0]["ids"].shape[1]  # generate()'s prefill: the padded prompts
+    for call, row, (old_LBSK, _, mask_BS) in zip(loss_calls(spy), rows, old_vs_loss(spy)):
+        S = call["ids"].shape[1]
+        resp_BS = torch.zeros_like(mask_BS)
+        resp_BS[:, P - 1:S - 1] = mask_BS[:, P:]  # column j scores token j + 1: the completion's columns
+        own = spy.ids_LBSK(call, "own")
+        assert row["routing/expert_change_latent"] == pytest.approx(expert_change(old_LBSK, own, resp_BS), abs=1e-12)
+    assert rows[1]["routing/expert_change_latent"] > 0
+
+
+def test_metric_functions_are_moe_labs():
+    g = torch.Generator().manual_seed(0)
+    new, old, roll = (torch.randn(3, 5, generator=g) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    ours = trl_metrics.ratio_part(new, old, mask)
+    zeros = torch.zeros(3, 5, dtype=torch.bool)
+    ref = policy_metrics(new - old, torch.exp(new - old), mask, clip_low=0.2, clip_high=0.2, clip_active_BT=zeros,
+                         dual_active_BT=zeros, clamped_BT=zeros)
+    assert ours["ratio/token_var"] == pytest.approx(float(ref["ratio/token_var"]), rel=1e-6)
+    assert ours["ratio/token_mean"] == pytest.approx(float(ref["ratio/token_mean"]), rel=1e-6)
+    mism = rollout_mismatch(roll, old, mask, extended=True)
+    d = (roll - old)[mask.bool()]
+    assert mism["mismatch/k3"] == pytest.approx(float((torch.exp(-d) + d - 1).mean()), rel=1e-6)
+    assert mism["mismatch/abs_diff"] == pytest.approx(float(d.abs().mean()), rel=1e-6)
+    assert mism["mismatch/extreme_frac_log5"] == pytest.approx(float((d.abs() > math.log(5)).float().mean()))
+
+
+def test_every_logged_metric_declares_its_reduction_across_ranks(tmp_path):
+    t = trainer(tmp_path, "qwen3_moe", "rollout", max_steps=2, moe_decomp_every=1)
+    t.train()
+    table = reductions()
+    keys = {k for row in t.state.log_history for k in row if k.split("/")[0] in ("routing", "mismatch", "ratio")}
+    assert {"routing/expert_change", "routing/expert_change_latent", "routing/router_shift", "routing/confidence",
+            "ratio/token_var", "ratio/routing_share", "mismatch/k3", "mismatch/abs_diff", "mismatch/extreme_frac",
+            "mismatch/extreme_frac_log5", "mismatch/expert_change"} <= keys
+    for key in keys:
+        reduction_of(key, table)  # raises for a metric moe_lab declares no cross-rank reduction for
+    assert math.isfinite(t.state.log_history[1]["ratio/routing_share"])
+
+
+@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("dr_grpo", "token"),
+                                             ("bnpo", "token"), ("cispo", "token"), ("sapo", "token"),
+                                             ("luspo", "sequence"), ("vespo", "token")])
+def test_r2_holds_for_every_loss_type(tmp_path, loss_type, level):
+    """num_iterations=2 (the same batch twice), gradient checkpointing off: the old pass's experts every time."""
+    t = trainer(tmp_path, "qwen3_moe", "old", loss_type=loss_type, importance_sampling_level=level, num_iterations=2,
+                steps_per_generation=1, max_steps=2, gradient_checkpointing=False, learning_rate=0.5)
+    spy = run(t)
+    pairs = old_vs_loss(spy)
+    assert len(pairs) == 2
+    for old_LBSK, used_LBSK, mask_BS in pairs:
+        assert torch.equal(old_LBSK[:, mask_BS], used_LBSK[:, mask_BS])
+
+
+def test_on_policy_r2_warns_once_and_trains(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer(tmp_path, "qwen3_moe", "old", steps_per_generation=1, max_steps=1)
+    ours = [w for w in caught if "cannot act" in str(w.message)]
+    assert len(ours) == 1
+    t.train()
+    assert t.state.log_history[0]["ratio/token_var"] == 0.0  # TRL's on-policy ratio is exactly 1
+
+
+@pytest.mark.parametrize("field,value,allowed", [("routing_replay", "r3", "none, old, rollout"),
+                                                 ("moe_metrics", "yes", "True or False"),
+                                                 ("moe_decomp_every", -1, "integer >= 0")])
+def test_bad_config_values_are_refused_in_one_line(tmp_path, field, value, allowed):
+    with pytest.raises(ValueError) as err:
+        MoEGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **{field: value})
+    assert field in str(err.value) and allowed in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rollout_replay_with_vllm_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="routing_replay='rollout' needs use_vllm=False"):
+        MoEGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, routing_replay="rollout",
+                      use_vllm=True)
