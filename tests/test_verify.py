@@ -226,3 +226,27 @@ def test_a_pinned_reference_is_re_run_with_its_own_pins(fresh, tmp_path, capsys,
     _edit_manifest(ref / "runs" / "gspo-s0", lambda m: m["machine"].update(env={}))
     code, _, err = _verify(capsys, str(ref))
     assert code == 2 and "different kernel pins" in err and len(calls) == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA config runs on this machine")
+def test_a_cell_this_machine_cannot_run_is_bad_input(fresh, tmp_path, capsys):
+    ref = _copy(fresh, tmp_path)
+    config = ref / "runs" / "grpo-s0" / "config.yaml"
+    config.write_text(config.read_text().replace("device: cpu", "device: cuda"))
+    assert "device: cuda" in config.read_text()
+    code, lines, err = _verify(capsys, str(ref))
+    assert code == 2 and not lines and "grpo-s0/config.yaml: cannot re-run here: model.device" in err
+
+
+def test_a_cell_that_fails_to_re_run_says_why_and_the_others_still_run(fresh, capsys, monkeypatch):
+    real = verify.rerun
+
+    def rerun(ref, *args):
+        if ref.run_id == "grpo-s0":
+            raise RuntimeError("out of\nmemory")
+        return real(ref, *args)
+
+    monkeypatch.setattr(verify, "rerun", rerun)
+    code, lines, _ = _verify(capsys, str(fresh), "--steps", "1")
+    assert code == 1 and lines[0] == "grpo-s0: not re-run (RuntimeError: out of memory)"
+    assert lines[1].startswith("gspo-s0: bit-identical")

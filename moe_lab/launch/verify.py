@@ -15,8 +15,9 @@ exactly those pins (and without pins for an unpinned reference), so that the re-
 reference chose.
 
 Exit codes: 0 every cell bit-identical, or different on a machine (or packages) that differ from the recorded
-ones, or where the reference does not record its processor; 1 some cell differs on the same machine; 2 bad
-input (one line, before any work).
+ones, or where the reference does not record its processor; 1 some cell differs on the same machine (or failed
+to re-run: its line says why); 2 bad input (one line, before any work: no folder, no finished run, a bad
+--cells/--steps, a cell this machine cannot run such as a CUDA config without a GPU).
 """
 
 from __future__ import annotations
@@ -216,9 +217,25 @@ def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[Ref
     n_steps = parse_count(steps, "--steps", DEFAULT_STEPS)
     runs = load_reference(Path(folder))
     chosen = choose_cells(runs, n_cells)
+    for ref in chosen:
+        _runnable_here(ref)
     exp_path = Path(folder) / "experiment.yaml"
     exp = load_yaml(str(exp_path)) if exp_path.is_file() else {}
     return runs, chosen, n_steps, exp if isinstance(exp, dict) else {}
+
+
+def _runnable_here(ref: RefRun) -> None:
+    """What the re-run would refuse (a CUDA config on a machine without one, a missing checkpoint, a task too
+    long for the model), as bad input naming the run, before any cell starts."""
+    from moe_lab.models import resolve_device
+    from moe_lab.rl.coldstart import preflight
+
+    try:
+        cfg = validate(from_dict(ref.config))
+        resolve_device(cfg.model.device)
+        preflight(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"{ref.run_dir / 'config.yaml'}: cannot re-run here: {exc}") from None
 
 
 def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: dict, echo=print) -> int:
@@ -226,7 +243,12 @@ def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: dic
     failed = False
     with tempfile.TemporaryDirectory(prefix="moe_lab_verify_") as tmp:
         for ref in chosen:
-            new_dir = rerun(ref, steps, Path(tmp), Path(tmp) / "coldstart")
+            try:
+                new_dir = rerun(ref, steps, Path(tmp), Path(tmp) / "coldstart")
+            except Exception as exc:  # noqa: BLE001 - one cell that cannot re-run must not hide the others' verdicts
+                echo(f"{ref.run_id}: not re-run ({type(exc).__name__}: {' '.join(str(exc).split())})")
+                failed = True
+                continue
             line, bad = cell_verdict(ref, new_dir, steps, runs, exp)
             echo(line)
             failed = failed or bad
