@@ -250,3 +250,11 @@ def test_a_cell_that_fails_to_re_run_says_why_and_the_others_still_run(fresh, ca
     code, lines, _ = _verify(capsys, str(fresh), "--steps", "1")
     assert code == 1 and lines[0] == "grpo-s0: not re-run (RuntimeError: out of memory)"
     assert lines[1].startswith("gspo-s0: bit-identical")
+
+
+def test_a_bad_endpoints_block_is_bad_input_for_a_whole_cell(fresh, tmp_path, capsys, monkeypatch):
+    ref = _copy(fresh, tmp_path)
+    (ref / "experiment.yaml").write_text((ref / "experiment.yaml").read_text() + "endpoints: {primary: 3}\n")
+    monkeypatch.setattr(verify, "rerun", lambda *a: pytest.fail("re-ran a cell on bad input"))
+    code, _, err = _verify(capsys, str(ref), "--steps", "all")
+    assert code == 2 and "endpoints.primary" in err

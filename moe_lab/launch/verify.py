@@ -221,7 +221,12 @@ def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[Ref
         _runnable_here(ref)
     exp_path = Path(folder) / "experiment.yaml"
     exp = load_yaml(str(exp_path)) if exp_path.is_file() else {}
-    return runs, chosen, n_steps, exp if isinstance(exp, dict) else {}
+    exp = exp if isinstance(exp, dict) else {}
+    if n_steps is None or any(_whole(ref, n_steps) for ref in chosen):
+        from moe_lab.analysis.endpoints import endpoint_spec
+
+        endpoint_spec(exp)  # a whole cell's verdict reads the endpoints: a bad block is bad input, now
+    return runs, chosen, n_steps, exp
 
 
 def _runnable_here(ref: RefRun) -> None:
