@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupted(args, argv: list[str]) -> int:
+    if getattr(args, "cmd", None) == "verify":
+        print("\nmoe-lab: interrupted; verify re-runs into a temporary folder, now removed: nothing to resume",
+              file=sys.stderr)
+        return 130
     out = getattr(args, "out", None)
     print(f"\nmoe-lab: interrupted; unfinished runs are marked 'interrupted' in their manifest.json. Resume with:\n"
           f"  moe-lab {shlex.join(argv)}" + (f"\n(finished runs under {out} are kept)" if out else ""),

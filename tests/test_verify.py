@@ -258,3 +258,28 @@ def test_a_bad_endpoints_block_is_bad_input_for_a_whole_cell(fresh, tmp_path, ca
     monkeypatch.setattr(verify, "rerun", lambda *a: pytest.fail("re-ran a cell on bad input"))
     code, _, err = _verify(capsys, str(ref), "--steps", "all")
     assert code == 2 and "endpoints.primary" in err
+
+
+def test_the_committed_golden_run_names_its_processor_and_its_pins():
+    from moe_lab.launch.isa import PINS
+
+    golden = ROOT / "results" / "reference" / "golden"
+    default, avx2 = verify.load_reference(golden / "default"), verify.load_reference(golden / "avx2")
+    assert [r.run_id for r in default] == [r.run_id for r in avx2] and len(default) == 4
+    for run in (*default, *avx2):
+        cpu = run.manifest["machine"]["cpu"]
+        assert cpu["model_name"] and set(cpu["flags"]) <= set(cpuinfo.KERNEL_FLAGS)
+        assert run.manifest["coldstart"]["steps"] > 0
+    assert verify.recorded_pins(default) == {} and verify.recorded_pins(avx2) == PINS["avx2"]
+
+
+def test_ctrl_c_leaves_nothing_behind(fresh, capsys, monkeypatch):
+    def interrupted(ref, steps, out, cache):
+        made.append(out)
+        raise KeyboardInterrupt
+
+    made = []
+    monkeypatch.setattr(verify, "rerun", interrupted)
+    code, lines, err = _verify(capsys, str(fresh))
+    assert code == 130 and not lines and "nothing to resume" in err
+    assert made and not made[0].exists()  # the temporary folder is gone
