@@ -95,9 +95,12 @@ def test_a_different_recorded_processor_explains_the_difference(fresh, tmp_path,
     run = ref / "runs" / "gspo-s0"
     _perturb(run, "metrics.parquet", 0, "reward/mean")
     _edit_manifest(run, lambda m: m["machine"]["cpu"].update(model_name="Other CPU 9000"))
+    _edit_manifest(ref / "runs" / "grpo-s0", lambda m: m["machine"]["cpu"].update(flags=["avx2"]))
     code, lines, _ = _verify(capsys, str(ref), "--cells", "2", "--steps", "1")
     assert code == 0
-    assert "grpo-s0: bit-identical (first 1 RL step:" in lines[0]
+    # the same bits on another processor: said, not hidden
+    assert "grpo-s0: bit-identical (first 1 RL step:" in lines[0] and "machine differs" in lines[0]
+    assert "flags: only" in lines[0]  # this processor's flags are not exactly ['avx2']
     assert "machine differs from the recorded one (model_name: 'Other CPU 9000' vs" in lines[1]
     assert "RL step 0 (update 0), column reward/mean" in lines[1]
 

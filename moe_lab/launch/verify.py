@@ -185,12 +185,13 @@ def cell_verdict(ref: RefRun, new_dir: Path, steps: int | None, runs: list[RefRu
     current = json.loads((new_dir / "manifest.json").read_text(encoding="utf-8"))
     span = "whole run" if whole else f"first {_count(steps, 'RL step')}"
     note = verdicts.column_note(ref_m, new_m)
-    parts = [verdicts.coldstart_text(ref.manifest, current)]
-    if diff is None:
-        head = f"{ref.run_id}: bit-identical ({span}: {_count(len(new_m), 'metric row')}, {_count(len(new_e), 'eval row')}"
-        return head + f"; {'; '.join([*parts, *([note] if note else [])])})", False
+    coldstart = verdicts.coldstart_text(ref.manifest, current)
     state, machine = verdicts.machine_state(ref.manifest, current)
-    parts = [machine, *parts, diff.describe(), *([note] if note else [])]
+    if diff is None:  # the same bits on another machine is worth saying too
+        rows = f"{_count(len(new_m), 'metric row')}, {_count(len(new_e), 'eval row')}"
+        notes = [coldstart, *([note] if note else []), *([machine] if state == "differs" else [])]
+        return f"{ref.run_id}: bit-identical ({span}: {rows}; {'; '.join(notes)})", False
+    parts = [machine, coldstart, diff.describe(), *([note] if note else [])]
     if whole:
         parts.append(_endpoint(ref, new_dir, runs, exp))
     if state == "same" and ref.manifest.get("git_commit") != current.get("git_commit"):
