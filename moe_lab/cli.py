@@ -155,6 +155,23 @@ def _verify(argv: list[str], args) -> int:
     return verify(runs, chosen, steps, exp)
 
 
+def _add_compare_parser(sub) -> None:
+    p = sub.add_parser("compare", help="every pair of arms on the endpoints fixed before the runs: difference, Welch "
+                                       "95%% interval, exact permutation p (moe_lab/analysis/endpoints.py)")
+    p.add_argument("results", help="experiment results folder (its experiment.yaml's endpoints:, else the defaults)")
+    p.add_argument("--baseline", default=None, metavar="ARM", help="compare each arm with this one only "
+                                                                   "(default: every pair)")
+    p.add_argument("--csv", action="store_true", help="print the pairs table as CSV instead of markdown")
+
+
+def _compare(args) -> int:
+    from moe_lab.analysis.endpoints import format_comparison, load_comparison
+
+    spec, _, arms, pairs = load_comparison(args.results, args.baseline)
+    print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-lab", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -171,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="figure folder (default: RESULTS/figures)")
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")
     _add_verify_parser(sub)
+    _add_compare_parser(sub)
     p = sub.add_parser("config", help="print the table of every config field (markdown)")
     sub.add_parser("list", help="every built-in experiment: first sentence of its description, cells, runtime on "
                                 "2 cores")
@@ -237,6 +255,8 @@ def _main(argv: list[str]) -> int:
             return max(code, _plot(args.out, None, "png"))
         if args.cmd == "plot":
             return _plot(args.results, args.out, args.format)
+        if args.cmd == "compare":
+            return _compare(args)
         if args.cmd == "verify":
             return _verify(argv, args)
         if args.cmd == "list":

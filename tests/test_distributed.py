@@ -1,10 +1,16 @@
 """Data-parallel RL under torchrun (gloo, CPU): 2 ranks give the 1-rank table; resume; refusals.
 
 Tolerance: 1 and 2 ranks reorder sums (DDP averages two half-batch gradients, metrics are combined from
-per-rank parts) and run matmuls on other batch shapes, so values agree to float32 rounding: we check
-rtol 1e-5 / atol 1e-8 (measured: <= 1.3e-7 relative on losses, ratios and expert change; <= 7e-6 on
-routing/router_shift, a mean of |differences| of nearly equal router log-probs, in the epochs/TIS/RSPO case),
-and variances, whose combination subtracts two nearly equal numbers, with atol 1e-9 (measured <= 3e-10).
+per-rank parts) and run matmuls on other batch shapes, so values agree to float32 rounding, and how far
+depends on the processor's kernels (the suite also runs under ATEN_CPU_CAPABILITY=avx2, MKL_CBWR=COMPATIBLE,
+ONEDNN_MAX_CPU_ISA=AVX2, .ci/run). Each kind of quantity gets the tolerance its computation justifies:
+- sums and means of like-signed terms (losses, ratios, shares, expert change, grad norm): rtol 1e-5, about
+  a hundred float32 ulps (measured <= 1.3e-7 relative with the default kernels);
+- means of log-prob differences (the ratio decomposition's d_route/d_weight means, router shift): their terms
+  nearly cancel, so a relative tolerance measures the cancellation, not the error; absolute 1e-6, ten float32
+  ulps of a log-prob of a few nats (measured: <= 2.8e-8 under both kernel settings, where rtol 1e-5 failed at
+  1.2e-4 and 8e-4 relative under the avx2/COMPATIBLE kernels and on an Intel Xeon);
+- variances, whose combination subtracts two nearly equal numbers: atol 1e-9 (measured <= 3e-10).
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ COMPARED = ["loss", "ratio/token_mean", "ratio/seq_mean", "ratio/extreme_frac", 
             "reward/mean", "reward/std", "reward/zero_var_groups", "response/length_mean", "policy/entropy",
             "optim/grad_norm", "mismatch/k3", "mismatch/expert_change"]
 VARS = ["ratio/token_var", "ratio/seq_var"]
-# compared where the run logs them: RSPO's gamma, rollout correction, router shift
-OPTIONAL = ["routing/router_shift", "routing/layer_0/router_shift", "routing/layer_1/router_shift",
-            "objective/rspo_gamma_mean", "objective/rspo_floor_frac", "rollout_corr/weight_mean",
+# compared where the run logs them: RSPO's gamma, rollout correction, first divergence
+OPTIONAL = ["objective/rspo_gamma_mean", "objective/rspo_floor_frac", "rollout_corr/weight_mean",
             "rollout_corr/weight_max", "rollout_corr/truncated_frac", "rollout_corr/masked_frac", "rollout_corr/ess",
-            "ratio/d_route_mean", "ratio/d_weight_mean", "ratio/d_route_var", "ratio/d_weight_var", "ratio/d_cov",
+            "ratio/d_route_var", "ratio/d_weight_var", "ratio/d_cov",
             "routing/first_div_none", "routing/first_div_l0", "routing/first_div_l1"]
+# means of log-prob differences (nearly cancelling terms): compared with an absolute tolerance only
+LOGP_DIFF_MEANS = ["ratio/d_route_mean", "ratio/d_weight_mean", "routing/router_shift",
+                   "routing/layer_0/router_shift", "routing/layer_1/router_shift"]
 # the new columns' paths: stale epochs, a lagged bf16 rollout corrected by TIS, R3 (old trace = a copy of the
 # rollout trace carrying the old router log-probs), RSPO's router-shift weight
 CASES = {"default": (), "epochs_tis_rspo": ("rl.epochs=2", "rl.rollout_correction=tis_token",
@@ -73,6 +81,8 @@ def assert_same_tables(a: pd.DataFrame, b: pd.DataFrame) -> None:
     for col in COMPARED + [c for c in OPTIONAL if c in a.columns]:
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-5, atol=1e-8,
                                    err_msg=col)
+    for col in [c for c in LOGP_DIFF_MEANS if c in a.columns]:
+        np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=0, atol=1e-6, err_msg=col)
     for col in VARS:
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=0, atol=1e-9, err_msg=col)
 

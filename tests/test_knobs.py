@@ -18,6 +18,7 @@ from moe_lab.rl import step as step_mod
 from moe_lab.rl import loop as train_mod
 from moe_lab.rl.coldstart import FORMAT_VERSION, cache_key, cold_start, demonstration_batch
 from moe_lab.config import ConfigError, validate
+from moe_lab.constants import MACHINE_ENV
 from moe_lab.models import load_model
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, token_logprobs
@@ -177,15 +178,18 @@ def test_sigkill_resume_reproduces_the_table_with_the_knobs_on(tmp_path):
 # --------------------------------------------------------------------------- cold-start load balancing
 
 
-def test_default_cold_start_keeps_its_cache_key(tmp_path):
+def test_default_cold_start_keeps_its_cache_key(tmp_path, monkeypatch):
     """Fields added later are hashed only when set: every existing cache entry stays valid."""
+    for pin in MACHINE_ENV:  # kernel pins get a key of their own (tested in test_cpu_isa): unpinned here
+        monkeypatch.delenv(pin, raising=False)
     cfg = tiny(tmp_path)
     cs, model, task = (dataclasses.asdict(getattr(cfg, s)) for s in ("coldstart", "model", "task"))
     cs.pop("cache_dir"), cs.pop("aux_loss_coef"), model.pop("shared_expert"), task.pop("mixture")
+    model.pop("norm_topk_prob")
     payload = {"format": FORMAT_VERSION, "model": model, "task": task, "coldstart": cs}
     before = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert cache_key(cfg) == before
-    for changed in ("coldstart.aux_loss_coef=0.01", "model.shared_expert=false"):
+    for changed in ("coldstart.aux_loss_coef=0.01", "model.shared_expert=false", "model.norm_topk_prob=false"):
         assert cache_key(tiny(tmp_path, changed)) != before, changed
     mix = tiny(tmp_path, "task.name=mixture", "task.mixture=[sort,reverse]")
     assert cache_key(mix) != cache_key(tiny(tmp_path, "task.name=mixture", "task.mixture=[sort,addition]"))

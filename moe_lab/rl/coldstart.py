@@ -48,7 +48,8 @@ META_FILE = "coldstart.json"
 
 # Fields added after caches existed: hashed only when set away from their default, so that every config
 # that does not use them keeps the key (and the cached model) it had before they existed.
-_HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0}, "model": {"shared_expert": True}, "task": {"mixture": []}}
+_HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0}, "model": {"shared_expert": True, "norm_topk_prob": None},
+                  "task": {"mixture": []}}
 
 
 def cache_key(cfg: RunConfig) -> str:
