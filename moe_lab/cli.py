@@ -71,8 +71,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                                                    "(default: start a local one)")
     p.add_argument("--max-retries", type=int, default=3, help="--backend ray: reruns of a cell whose node died")
     p.add_argument("--cpu-isa", default=None, choices=None, metavar="ISA",
-                   help="pin the CPU kernels (torch, MKL, oneDNN) to avx2 or avx512 for the whole invocation, so that "
-                        "results do not depend on the processor (~1.5x slower; docs/guide.md)")
+                   help="pin the CPU kernels (torch, MKL, oneDNN) to avx2 or avx512 for the whole invocation: the "
+                        "bits change and repeat on this machine, but still depend on the processor (measured on two: "
+                        "docs/guide.md); ~1.5x slower")
     p.add_argument("--report-to", default=None, metavar="TRACKER",
                    help="also mirror every metric and eval row to a tracker: tensorboard (event files in "
                         "OUT/tensorboard/<run_id>) or wandb (offline unless WANDB_MODE is set, in "
