@@ -44,8 +44,11 @@ def mismatch_part(rollout: Trace | None, free: Trace, mask_BS: Tensor, logp_roll
     """mismatch/*: generation against the trainer's forward of the same weights (TRL's old pass, or on-policy
     the loss forward): log-probs (k3, |d|, the ln 2 / ln 5 tails) and the router's free choice of experts."""
     out = {}
-    if logp_rollout_BC is not None:
-        out.update(rollout_mismatch(logp_rollout_BC.float(), logp_train_BC.detach().float(), mask_BC, extended=True))
+    if logp_rollout_BC is not None:  # vLLM may leave a token's log-prob NaN (unavailable): left out of the mask
+        known_BC = torch.isfinite(logp_rollout_BC)
+        rollout_BC = torch.where(known_BC, logp_rollout_BC, 0.0).float()
+        out.update(rollout_mismatch(rollout_BC, logp_train_BC.detach().float(), mask_BC.bool() & known_BC,
+                                    extended=True))
     if rollout is not None:
         out["mismatch/expert_change"] = expert_change(rollout, free, mask_BS)
     return out

@@ -210,11 +210,16 @@ class MoEGRPOTrainer(GRPOTrainer):
         metrics = {**M.ratio_part(logp_BC, logp_old_BC, mask_BC),
                    **M.routing_part(scope.ref, run.used, run.free, mask_BS, new_at_ref),
                    **M.mismatch_part(None if rollout is None else to_trace(rollout, self._moe_like), free_ref,
-                                     mask_BS, inputs.get("moe_rollout_logp"), logp_old_BC, mask_BC),
+                                     mask_BS, self._moe_rollout_logp(inputs), logp_old_BC, mask_BC),
                    **self._moe_decomposition(model, scope, logp_old_BC, mask_BC)}
         n_tok = int(mask_BC.sum())
         for key, value in M.combine(self._moe_gather, metrics, mask_BC.size(0), n_tok).items():
             self._metrics["train"][key].append(value)
+
+    @staticmethod
+    def _moe_rollout_logp(inputs: dict):
+        """The sampler's log-probs: recorded during HF generate, or vLLM's (TRL keeps them; NaN where missing)."""
+        return inputs.get("moe_rollout_logp", inputs.get("sampling_per_token_logps"))
 
     def _moe_gather(self, obj: list) -> list:
         from accelerate.utils import gather_object
