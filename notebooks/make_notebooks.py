@@ -196,9 +196,66 @@ REPLAY = {
     ],
 }
 
+LOAD_CONFIRMATION = '''\
+# Each folder only where it exists: the confirmation and the controls may still be running (their running runs
+# are drawn up to their last step and left out of the tables and the forest until they finish).
+NAMES = ("replay_rescue", "replay_rescue_confirm", "router_controls")
+FOLDERS = [REFERENCE / n for n in NAMES if (REFERENCE / n / "runs").is_dir()]
+loaded = {f.name: endpoint_plots.load_folder(f) for f in FOLDERS}
+for name in NAMES:
+    print(name, "->", f"{loaded[name][2]['run_id'].nunique()} runs" if name in loaded else "not there (yet)")'''
+
+COMPARE = '''\
+for name, (spec, m, e) in loaded.items():
+    per_run = endpoint_plots.finished_endpoints(m, e, spec)
+    unfinished = e["run_id"].nunique() - len(per_run)
+    print(f"\\n### {name}" + (f" ({unfinished} runs not finished, left out)" if unfinished else ""))
+    print(endpoints.format_comparison(spec, endpoints.arm_means(per_run), endpoint_plots.endpoint_pairs(per_run)))'''
+
+CONFIRMATION = {
+    "title": "# Does the rescue survive scrutiny? Endpoints fixed in advance, fresh seeds, router controls\n\n"
+             "`replay_rescue` (seeds 0-4) found GRPO without replay collapsing where GRPO + R2 and GSPO did not. "
+             "`replay_rescue_confirm` runs the same experiment unchanged on 10 seeds never used before (100-109); "
+             "`router_controls` repeats GRPO, GRPO + R2 and GSPO under four router/optimizer settings (one column "
+             "each below). This notebook only reads results; folders still running are shown as far as they got.",
+    "cells": [
+        ("code", SETUP.replace("from moe_lab import figures, plots, results, stability, stability_plots",
+                               "from moe_lab import figures, plots, results, stability, stability_plots\n"
+                               "from moe_lab.analysis import endpoint_plots, endpoints")),
+        ("code", LOAD_CONFIRMATION),
+        ("md", "## The endpoints, fixed before the runs\n"
+               "- **primary**: per seed, the mean greedy accuracy (`eval/acc_greedy`) over the last 5 scheduled "
+               "evaluations (steps 110-150 of the rescue's 150);\n"
+               "- **secondary**: per seed, the mean sampled reward (`reward/mean`) over the last 25% of the steps;\n"
+               "- **tertiary**, descriptive only: whether a collapse rule fired.\n\n"
+               "**Carry-forward.** A run a collapse rule stopped has no rows after its stop; its last value is "
+               "carried forward over the scheduled steps it did not reach (the policy it stopped with is its final "
+               "policy). Dropping it would average the survivors only and flatter the arm; the same rule draws the "
+               "curves below.\n\n"
+               "**The test is the difference.** Each pair of arms is compared by the difference of the per-seed "
+               "means with its Welch 95% interval and an exact permutation p-value. Whether the two arms' own "
+               "intervals lie apart is not the test: they can overlap while the difference's interval excludes 0, "
+               "so \"intervals apart\" is a stricter criterion than the one fixed in advance. Read the pair rows "
+               "and the forest."),
+        ("code", COMPARE),
+        ("md", "## Learning curves\nGreedy accuracy at each scheduled evaluation (top) and sampled reward per step "
+               "(bottom): mean over seeds with a 95% t band, a stopped run holding its last value; shaded, the "
+               "endpoint's window; dashed, the cold start (the step-0 accuracy)."),
+        ("code", 'for name, (spec, m, e) in loaded.items():\n'
+                 '    print(name)\n'
+                 '    display(endpoint_plots.learning_curves(m, e, spec))'),
+        ("md", "## Every difference on the primary endpoint, across experiments and settings\n"
+               "GRPO + R2 and GSPO against GRPO in the same experiment and setting (`arms=None`: every arm): the point is the difference of the "
+               "per-seed means, the whiskers its Welch 95% interval, the line at 0 no difference; beside each row "
+               "the permutation p and the seeds on each side. To keep it as a file: "
+               "`endpoint_plots.forest_across(FOLDERS).savefig(\"forest.png\", dpi=100, bbox_inches=\"tight\")`."),
+        ("code", "endpoint_plots.forest_across(FOLDERS, baseline=\"grpo\", arms=(\"grpo_r2\", \"gspo\"))"),
+    ],
+}
+
 NOTEBOOKS = {"01_reproduce_paper_figures.ipynb": PAPER, "02_routing_volatility.ipynb": VOLATILITY,
              "03_clip_range_sweep.ipynb": CLIP, "04_stability_atlas.ipynb": STABILITY,
-             "05_replay_map.ipynb": REPLAY}
+             "05_replay_map.ipynb": REPLAY, "06_confirmation.ipynb": CONFIRMATION}
 
 
 def build(spec: dict) -> nbformat.NotebookNode:

@@ -34,7 +34,7 @@ NAMES = sorted(GENERATOR.NOTEBOOKS)
 
 
 def test_every_notebook_matches_its_generator_with_outputs_cleared():
-    assert NAMES == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) and len(NAMES) == 5
+    assert NAMES == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) and len(NAMES) == 6
     for name, built in GENERATOR.build_all().items():
         on_disk = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(on_disk)
@@ -57,7 +57,8 @@ def check_outputs(nb: nbformat.NotebookNode) -> None:
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(o.output_type != "error" for c in code for o in c.outputs)
     figure_cells = [c for c in code if any(c.source.startswith(m) or f"\n{m}" in c.source
-                                           for m in ("plots.", "stability_plots.", "replay_plots."))]
+                                           for m in ("plots.", "stability_plots.", "replay_plots.",
+                                                    "endpoint_plots."))]
     assert figure_cells
     for cell in figure_cells:  # every figure cell really drew a figure
         assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS, STEPS = 3, 5
 PER_STEP_FIGURES = ["clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance"]
+ENDPOINT_FIGURES = ["learning_curves", "forest"]
 
 
 @pytest.fixture(scope="module")
@@ -217,16 +218,22 @@ def test_volatility_sweep_panels(root):
 
 def test_write_figures_paper_writes_per_step_figures_only(root, tmp_path):
     paths = figures.write_figures(root / "paper", tmp_path / "figs", formats=("png", "svg"))
-    # GRPO with and without replay, ratio decomposition logged: the rescue figure too
-    assert [p.name for p in paths] == [f"{n}.{f}" for n in [*PER_STEP_FIGURES, "rescue"] for f in ("png", "svg")]
+    # GRPO with and without replay, ratio decomposition logged: the rescue figure too; 3 seeds per arm: the
+    # endpoints' learning curves and forest
+    assert [p.name for p in paths] == [f"{n}.{f}" for n in [*PER_STEP_FIGURES, "rescue", *ENDPOINT_FIGURES]
+                                       for f in ("png", "svg")]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths if p.suffix == ".png")
     assert all(b"<svg" in p.read_bytes()[:2000] for p in paths if p.suffix == ".svg")
 
 
-@pytest.mark.parametrize("name, figure", [("clip_sweep", "clip_sweep"), ("volatility_sweep", "volatility_sweep")])
-def test_sweeps_plan_their_figure(root, name, figure):
+# Two seeds: the learning curves. The clip sweep's points are one algorithm each (no pair to put in a forest);
+# the router-lr sweep runs GRPO and GSPO at each point.
+@pytest.mark.parametrize("name, figure, endpoint_figures", [("clip_sweep", "clip_sweep", ["learning_curves"]),
+                                                            ("volatility_sweep", "volatility_sweep", ENDPOINT_FIGURES)])
+def test_sweeps_plan_their_figure(root, name, figure, endpoint_figures):
     # rendering each figure is covered above; planning is what decides the files (and is cheap)
-    assert list(figures.planned_figures(*results.load_runs(root / name))) == [*PER_STEP_FIGURES, figure]
+    assert list(figures.planned_figures(*results.load_runs(root / name))) == [*PER_STEP_FIGURES, figure,
+                                                                              *endpoint_figures]
 
 
 def test_write_figures_skips_figures_without_columns(tmp_path):

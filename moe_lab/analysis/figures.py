@@ -3,7 +3,8 @@
 File names are fixed (FIGURE_NAMES + format suffix) so that READMEs and notebooks can point at them. A figure
 whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty;
 the survival figure is drawn once some run collapsed, the atlas for a one-factor-at-a-time experiment (arms
-labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, grpo_r2).
+labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, grpo_r2), the endpoints' learning
+curves once some arm has several seeds and their forest once some setting also has two arms.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moe_lab.analysis import endpoint_plots
 from moe_lab.analysis import plots
 from moe_lab.analysis import replay_map
 from moe_lab.analysis import replay_plots
@@ -22,11 +24,13 @@ from moe_lab.analysis import results
 from moe_lab.analysis import stability
 from moe_lab.analysis import stability_plots
 from moe_lab.constants import PPO_CLIP_ALGOS
-from moe_lab.launch.experiment import BASE_LABEL
+from moe_lab.errors import ConfigError
+from moe_lab.launch.experiment import BASE_LABEL, endpoint_spec
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
-                "clip_sweep", "volatility_sweep", "survival", "atlas", "head_to_head", "replay_map", "rescue")
+                "clip_sweep", "volatility_sweep", "survival", "atlas", "head_to_head", "replay_map", "rescue",
+                "learning_curves", "forest")
 DPI = 100
 
 
@@ -82,12 +86,31 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
             plan["replay_map"] = lambda: replay_plots.replay_map_figure(metrics, evals)
         else:
             plan["rescue"] = lambda: replay_plots.rescue(metrics, evals)
+    if not is_atlas(metrics):  # ~80 one-seed cells: an atlas has neither seed bands nor pairs to compare
+        plan.update(_endpoint_figures(metrics, evals, design))
+    return plan
+
+
+def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
+                      design: dict | None) -> dict[str, Callable[[], Figure]]:
+    """Learning curves with seed bands once some arm has several seeds, and the forest of differences once
+    some setting also has two arms; the endpoints (and their windows) are the experiment file's."""
+    try:
+        spec = endpoint_spec(design)
+    except ConfigError:  # `moe-lab compare` reports a bad endpoints: block; the other figures still draw
+        return {}
+    if "arm" not in evals or not _has(evals, spec.primary_metric, "seed") \
+            or evals.groupby("arm")["seed"].nunique().max() < 2:
+        return {}
+    plan = {"learning_curves": lambda: endpoint_plots.learning_curves(metrics, evals, spec)}
+    if evals.groupby(evals["arm"].map(endpoint_plots.setting_of))["arm_base"].nunique().max() >= 2:
+        plan["forest"] = lambda: endpoint_plots.forest_of_frames(metrics, evals, spec)
     return plan
 
 
 def _design(results_dir: Path) -> dict | None:
-    """The experiment.yaml the runner wrote beside runs/, if readable (it only refines the atlas)."""
-    from moe_lab.config import ConfigError, load_yaml
+    """The experiment.yaml the runner wrote beside runs/, if readable (the atlas's factors, the endpoints)."""
+    from moe_lab.config import load_yaml
 
     try:
         return load_yaml(str(results_dir / "experiment.yaml"))
