@@ -7,11 +7,16 @@ Tiny models (2 MoE layers, width 32, 4 experts, top-2), left-padded sort prompts
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from transformers import HfArgumentParser
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -279,3 +284,25 @@ def test_rollout_replay_with_vllm_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match="routing_replay='rollout' needs use_vllm=False"):
         MoEGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, routing_replay="rollout",
                       use_vllm=True)
+
+
+def test_the_fields_reach_trls_command_line_parser(tmp_path):
+    """As TRL's own config fields: documented (help) and checked (choices) by HfArgumentParser / TrlParser."""
+    parser = HfArgumentParser(MoEGRPOConfig)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--routing_replay", "rollout",
+                                                  "--moe_decomp_every", "4", "--use_cpu", "--report_to", "none"])
+    assert (args.routing_replay, args.moe_decomp_every, args.moe_metrics) == ("rollout", 4, True)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert all(helps[name] for name in ("routing_replay", "moe_metrics", "moe_decomp_every", "moe_position_ids"))
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--routing_replay", "r3"])
+
+
+def test_the_example_runs(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "examples/trl_grpo_replay.py", "--replay", "old", "--steps", "8"],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLCONFIGDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = done.stdout[done.stdout.index("routing_replay=old"):].splitlines()
+    assert table[1].split()[:3] == ["step", "reward", "change"] and table[2].split()[0] == "8"
