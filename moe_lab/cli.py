@@ -168,7 +168,11 @@ def _add_compare_parser(sub) -> None:
 def _compare(args) -> int:
     from moe_lab.analysis.endpoints import format_comparison, load_comparison
 
-    spec, _, arms, pairs = load_comparison(args.results, args.baseline)
+    spec, per_run, arms, pairs = load_comparison(args.results, args.baseline)
+    unfinished = per_run.attrs.get("unfinished", [])
+    if unfinished:  # stderr: the table itself stays machine-readable with --csv
+        print(f"moe-lab: note: {len(unfinished)} run(s) not finished, left out: {', '.join(unfinished)}",
+              file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
     return 0
 

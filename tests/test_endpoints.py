@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from moe_lab.analysis.endpoints import (EndpointSpec, compare_arms, eval_schedule, permutation_p, run_endpoints)
+from moe_lab.analysis.endpoints import (EndpointSpec, compare_arms, eval_schedule, permutation_p, run_endpoints,
+                                        unfinished_runs)
 from moe_lab.cli import main
 from moe_lab.config import ConfigError
 from moe_lab.launch.experiment import check_shape, endpoint_spec
@@ -71,11 +72,22 @@ def test_a_stopped_run_carries_its_last_evaluation_forward_on_the_schedule():
 
 
 def test_secondary_is_the_mean_over_the_last_quarter_of_scheduled_steps():
-    ev = _evals({"a": {0: 0.1, 8: 0.2}}, steps=8, every=4)
-    metrics = pd.DataFrame({"experiment": "e", "arm": "a", "seed": 0, "run_id": "a-s0", "step": [5, 6, 6],
-                            "reward/mean": [0.5, 0.2, 0.4]})
-    # steps 7 and 8 are the last ceil(0.25 * 8) = 2 steps; the run logged up to step 6 (0.3 on average)
-    assert run_endpoints(metrics, ev).loc[0, "secondary"] == pytest.approx(0.3)
+    ev = _evals({"a": {0: 0.1, 8: 0.2}, "b": {0: 0.1, 5: 0.0}}, steps=8, every=4)
+    metrics = pd.DataFrame({"experiment": "e", "arm": ["a"] * 4 + ["b"] * 2, "seed": 0,
+                            "run_id": ["a-s0"] * 4 + ["b-s0"] * 2, "step": [5, 6, 6, 7, 4, 5],
+                            "reward/mean": [0.5, 0.2, 0.4, 0.9, 0.7, 0.1]})
+    out = run_endpoints(metrics, ev).set_index("arm")["secondary"]
+    # an 8-step run logs steps 0..7: the last ceil(0.25 * 8) = 2 are steps 6 (mean 0.3) and 7
+    assert out["a"] == pytest.approx((0.3 + 0.9) / 2)
+    # b stopped after step 5: its last reward carried over steps 6 and 7
+    assert out["b"] == pytest.approx(0.1)
+
+
+def test_runs_not_finished_have_no_endpoint_yet():
+    ev = _evals({"a": {0: 0.5, 10: 0.6}, "b": {0: 0.5}})
+    ev.loc[ev["arm"] == "b", "status"] = "running"
+    assert run_endpoints(pd.DataFrame(), ev)["arm"].tolist() == ["a"]
+    assert unfinished_runs(ev) == ["b-s0"]
 
 
 @pytest.mark.parametrize("block,field", [

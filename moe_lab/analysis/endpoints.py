@@ -31,6 +31,7 @@ import pandas as pd
 from moe_lab.analysis.replay_map import welch_diff_ci
 from moe_lab.config import ConfigError
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
+from moe_lab.rl.runlog import FINISHED
 
 EXACT_LIMIT = 2_000_000  # splits enumerated exactly (10 vs 10 seeds: 184,756)
 MC_SAMPLES = 200_000
@@ -54,12 +55,15 @@ def _carried(values: pd.Series, grid: Sequence[int]) -> np.ndarray:
 
 
 def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec = EndpointSpec()) -> pd.DataFrame:
-    """One row per run: experiment, arm, seed, run_id, status, primary, secondary, collapsed (bool)."""
+    """One row per finished run (done or collapsed): experiment, arm, arm_base, setting, seed, run_id, status,
+    primary, secondary, collapsed (bool). Running and failed runs are left out (see ``unfinished_runs``)."""
     rows = []
     keys = [k for k in ("experiment", "arm", "seed", "run_id") if k in evals.columns]
     by_run = dict(tuple(metrics.groupby(keys, sort=True))) if len(metrics) else {}
     for key, ev in evals.groupby(keys, sort=True):
         first = ev.iloc[0]
+        if "status" in ev and first["status"] not in FINISHED:
+            continue  # running or failed: its last value is not final, so it is no endpoint (unfinished_runs)
         steps, every = int(first["rl.steps"]), int(first["rl.eval_every"])
         grid = eval_schedule(steps, every)[-spec.last_evals:]
         acc = ev.groupby("step")[spec.primary_metric].mean()
@@ -67,7 +71,8 @@ def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec
         secondary = math.nan
         if m is not None and spec.secondary_metric in m:
             per_step = m.groupby("step")[spec.secondary_metric].mean()
-            tail = list(range(steps - math.ceil(spec.last_frac * steps) + 1, steps + 1))
+            # metrics rows are numbered 0..steps-1 (an evaluation at s follows s steps): the last n are steps-n..steps-1
+            tail = list(range(steps - math.ceil(spec.last_frac * steps), steps))
             secondary = float(np.nanmean(_carried(per_step, tail)))
         collapsed = bool(np.isfinite(ev["collapsed_at"].astype(float)).any()) if "collapsed_at" in ev else False
         rows.append({**dict(zip(keys, key)), "arm_base": first.get("arm_base", key[keys.index("arm")]),
@@ -75,6 +80,14 @@ def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec
                      "primary": float(np.nanmean(_carried(acc, grid))), "secondary": secondary,
                      "collapsed": collapsed})
     return pd.DataFrame(rows)
+
+
+def unfinished_runs(evals: pd.DataFrame) -> list[str]:
+    """Run ids of the folder that are not finished (running, interrupted, failed): no endpoint yet."""
+    if "status" not in evals or not len(evals):
+        return []
+    status = evals.groupby("run_id", sort=True)["status"].first()
+    return sorted(status[~status.isin(FINISHED)].index)
 
 
 def permutation_p(a: Sequence[float], b: Sequence[float]) -> tuple[float, bool]:
@@ -155,6 +168,9 @@ def load_comparison(results: str | Path, baseline: str | None = None) -> tuple[E
     if spec.primary_metric not in evals:
         raise ConfigError(f"endpoints.primary.metric={spec.primary_metric}: not a column of the eval tables")
     per_run = run_endpoints(metrics, evals, spec)
+    if not len(per_run):
+        raise ConfigError(f"RESULTS_DIR={results}: no finished runs yet (status done or collapsed)")
+    per_run.attrs["unfinished"] = unfinished_runs(evals)
     return spec, per_run, arm_means(per_run), compare_arms(per_run, baseline)
 
 
