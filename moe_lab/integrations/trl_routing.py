@@ -47,6 +47,13 @@ def fit_columns(ids_XLSK: Tensor, seq_len: int) -> Tensor:
     return torch.cat([ids_XLSK, pad], dim=2)
 
 
+def fit_width(x_BC: Tensor, width: int) -> Tensor:
+    """Cut or zero-pad the last axis to ``width`` (per-token values of the completions; the padding is masked)."""
+    if x_BC.shape[1] >= width:
+        return x_BC[:, :width]
+    return torch.cat([x_BC, x_BC.new_zeros(x_BC.shape[0], width - x_BC.shape[1])], dim=1)
+
+
 def response_mask_BS(completion_mask_BC: Tensor, prompt_len: int) -> Tensor:
     """(B, P + C) bool: routing column j is the one that scores token j + 1, so the C completion tokens are
     scored by columns P - 1 .. P + C - 2 (the last column scores nothing)."""

@@ -22,8 +22,8 @@ import torch
 from moe_lab.integrations.trl_config import MoEGRPOConfig
 from moe_lab.algos.ratio_metrics import ratio_decomposition
 from moe_lab.integrations import trl_metrics as M
-from moe_lab.integrations.trl_routing import (RolloutLogp, fit_columns, position_ids, response_mask_BS, routing_run,
-                                              to_batch, to_trace)
+from moe_lab.integrations.trl_routing import (RolloutLogp, fit_columns, fit_width, position_ids, response_mask_BS,
+                                              routing_run, to_batch, to_trace)
 from moe_lab.integrations.trl_state import LossScope, MoEState, join_chunks, old_reference
 from moe_lab.models import moe_layers
 from moe_lab.routing import record, router_logp_probe
@@ -114,7 +114,7 @@ class MoEGRPOTrainer(GRPOTrainer):
             trace, logp_BC = rollout
             out["moe_rollout_ids"] = fit_columns(to_batch(trace.indices), P + C)
             if logp_BC is not None:
-                out["moe_rollout_logp"] = fit_columns(logp_BC[:, None, :, None], C)[:, 0, :, 0]
+                out["moe_rollout_logp"] = fit_width(logp_BC.to(out["moe_rollout_ids"].device), C)
         if state.old_runs:
             out.update(join_chunks(state.old_runs))
             state.old_runs = []
