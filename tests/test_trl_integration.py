@@ -306,3 +306,23 @@ def test_the_example_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     table = done.stdout[done.stdout.index("routing_replay=old"):].splitlines()
     assert table[1].split()[:3] == ["step", "reward", "change"] and table[2].split()[0] == "8"
+
+
+def test_r2_with_a_kl_term_leaves_trls_reference_model_alone(tmp_path):
+    """beta > 0: TRL loads a separate reference model (from the policy's folder) whose forwards are never hooked;
+    the policy's loss forwards still run the old pass's experts."""
+    from moe_lab.models import load_model
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "policy")
+    args = MoEGRPOConfig(output_dir=str(tmp_path / "out"), routing_replay="old", per_device_train_batch_size=4,
+                         num_generations=4, steps_per_generation=2, max_completion_length=6, learning_rate=0.5,
+                         max_steps=2, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                         disable_tqdm=True, beta=0.1, seed=0)
+    t = MoEGRPOTrainer(model=load_model(tmp_path / "policy"), reward_funcs=reward, args=args,
+                       train_dataset=dataset(), processing_class=TOKENIZER)
+    spy = run(t)
+    pairs = old_vs_loss(spy)
+    assert len(pairs) == 2 and t.ref_model is not None
+    for old_LBSK, used_LBSK, mask_BS in pairs:
+        assert torch.equal(old_LBSK[:, mask_BS], used_LBSK[:, mask_BS])
+    assert t.state.log_history[1]["kl"] > 0

@@ -65,6 +65,10 @@ class MoEGRPOTrainer(GRPOTrainer):
                                   or self.tools):
             raise ValueError("routing_replay='rollout' needs TRL's single-turn HF generate path (no rollout_func, "
                              "no tools, no continuous batching); allowed there: routing_replay='none' or 'old'")
+        if self.beta != 0.0 and self.ref_model is None:
+            raise ValueError("MoEGRPOTrainer: beta != 0 with a PEFT model scores the reference by calling the policy "
+                             "with its adapter disabled, a second policy call the routing hooks would take for the old "
+                             "pass; allowed: beta=0, or a model without PEFT (TRL then keeps a separate reference)")
         if mode == "old" and self._moe_on_policy():
             warnings.warn("routing_replay='old' (R2) cannot act: this run is on-policy (gradient_accumulation_steps "
                           f"{self.args.gradient_accumulation_steps} is a multiple of steps_per_generation * "
