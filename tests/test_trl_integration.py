@@ -268,7 +268,11 @@ def test_on_policy_r2_warns_once_and_trains(tmp_path):
     ours = [w for w in caught if "cannot act" in str(w.message)]
     assert len(ours) == 1
     t.train()
-    assert t.state.log_history[0]["ratio/token_var"] == 0.0  # TRL's on-policy ratio is exactly 1
+    row = t.state.log_history[0]
+    assert row["ratio/token_var"] == 0.0  # TRL's on-policy ratio is exactly 1
+    # the loss forward is the old policy: it is its own reference (the same columns as off-policy runs)
+    assert row["routing/expert_change"] == 0.0 and row["routing/router_shift"] == 0.0
+    assert 0.0 < row["routing/confidence"] <= 1.0 and "mismatch/expert_change" in row
 
 
 @pytest.mark.parametrize("field,value,allowed", [("routing_replay", "r3", "none, old, rollout"),

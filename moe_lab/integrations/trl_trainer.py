@@ -204,15 +204,18 @@ class MoEGRPOTrainer(GRPOTrainer):
         mask_BS = response_mask_BS(mask_BC, P)
         logp_BC = scope.logp_BC
         logp_old_BC = inputs.get("old_per_token_logps", logp_BC)
+        # On-policy TRL runs no old pass: the loss forward is the old policy itself, so it is its own reference
+        # (change and shift 0, as TRL's ratio is 1) and the columns stay the same in every configuration.
+        ref = run.used if scope.ref is None else scope.ref
         if scope.probe is not None:
-            new_at_ref = scope.probe.at(scope.ref.indices)
+            new_at_ref = scope.probe.at(ref.indices)
         else:
-            new_at_ref = run.used.router_logp_LBTK if scope.forced is not None else None
+            new_at_ref = run.used.router_logp_LBTK if scope.forced is not None or scope.ref is None else None
         rollout = inputs.get("moe_rollout_ids")
         old_free = inputs.get("moe_old_free_ids")
         free_ref = run.free if old_free is None else to_trace(old_free, self._moe_like)
         metrics = {**M.ratio_part(logp_BC, logp_old_BC, mask_BC),
-                   **M.routing_part(scope.ref, run.used, run.free, mask_BS, new_at_ref),
+                   **M.routing_part(ref, run.used, run.free, mask_BS, new_at_ref),
                    **M.mismatch_part(None if rollout is None else to_trace(rollout, self._moe_like), free_ref,
                                      mask_BS, self._moe_rollout_logp(inputs), logp_old_BC, mask_BC),
                    **self._moe_decomposition(model, scope, logp_old_BC, mask_BC)}
