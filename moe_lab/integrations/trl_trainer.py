@@ -19,7 +19,8 @@ from contextlib import ExitStack
 
 import torch
 
-from moe_lab.integrations.trl_config import MoEGRPOConfig
+# first: trl_config checks TRL's version (one-line ImportError) before anything below imports trl
+from moe_lab.integrations.trl_config import MoEGRPOConfig  # isort: skip
 from moe_lab.algos.ratio_metrics import ratio_decomposition
 from moe_lab.integrations import trl_metrics as M
 from moe_lab.integrations.trl_routing import (RolloutLogp, fit_columns, fit_width, position_ids, response_mask_BS,
@@ -79,8 +80,9 @@ class MoEGRPOTrainer(GRPOTrainer):
         return model is self.model or model is self.model_wrapped or self.accelerator.unwrap_model(model) is self.model
 
     def _moe_records_rollout(self) -> bool:
+        # with tools TRL generates again after each tool call: one trace would not cover the final sequences
         return (self.model.training and not self.use_vllm and not self.use_transformers_continuous_batching
-                and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
+                and not self.tools and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
 
     # ------------------------------------------------------------------------------------------- generation
 
