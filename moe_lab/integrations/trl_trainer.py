@@ -62,10 +62,11 @@ class MoEGRPOTrainer(GRPOTrainer):
 
     def _moe_check_setup(self) -> None:
         mode = self.args.routing_replay
-        if mode == "rollout" and (self.rollout_func is not None or self.use_transformers_continuous_batching
-                                  or self.tools):
-            raise ValueError("routing_replay='rollout' needs TRL's single-turn HF generate path (no rollout_func, "
-                             "no tools, no continuous batching); allowed there: routing_replay='none' or 'old'")
+        if mode == "rollout" and (self.use_vllm or self.rollout_func is not None
+                                  or self.use_transformers_continuous_batching or self.tools):
+            raise ValueError("routing_replay='rollout' needs TRL's single-turn HF generate path (no vLLM, no "
+                             "rollout_func, no tools, no continuous batching); allowed there: routing_replay='none' or "
+                             "'old'")
         if self.beta != 0.0 and self.ref_model is None:
             raise ValueError("MoEGRPOTrainer: beta != 0 with a PEFT model scores the reference by calling the policy "
                              "with its adapter disabled, a second policy call the routing hooks would take for the old "
