@@ -99,7 +99,9 @@ def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
         spec = endpoint_spec(design)
     except ConfigError:  # `moe-lab compare` reports a bad endpoints: block; the other figures still draw
         return {}
-    if "arm" not in evals or not _has(evals, spec.primary_metric, "seed") \
+    # frames not read by load_runs (no arm_base, no schedule columns) cannot place the endpoints' windows
+    if "arm" not in evals or "arm_base" not in evals or not _has(evals, spec.primary_metric, "seed", "rl.steps",
+                                                                 "rl.eval_every") \
             or evals.groupby("arm")["seed"].nunique().max() < 2:
         return {}
     plan = {"learning_curves": lambda: endpoint_plots.learning_curves(metrics, evals, spec)}
