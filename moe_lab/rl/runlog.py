@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -203,7 +204,11 @@ class RunLock:
         self.release()
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
+    """HEAD of the checkout when this process first asks: a worker keeps the code it imported for its whole
+    life, so a commit made while it runs must not be written into its later manifests (it was, before
+    2026-12-01: replay_rescue_confirm's manifests name the HEAD at each run's end)."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
