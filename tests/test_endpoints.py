@@ -8,6 +8,8 @@ import io
 import itertools
 import math
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -136,3 +138,11 @@ def test_compare_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("reference", ["replay_rescue", "replay_rescue_confirm"])
+def test_the_findings_tables_are_what_compare_prints(reference, capsys):
+    assert main(["compare", f"results/reference/{reference}", "--baseline", "grpo"]) == 0
+    printed = capsys.readouterr().out.strip()
+    findings = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text(encoding="utf-8")
+    assert printed in findings, f"paste `moe-lab compare results/reference/{reference} --baseline grpo` into findings"
