@@ -186,18 +186,34 @@ def test_r3_loss_forward_uses_the_generation_experts_on_left_padded_rows(tmp_pat
         assert torch.equal(gen_LBSK[:, rows, :S - 1][:, mask], used[:, mask])
 
 
-def test_position_ids_make_training_forwards_score_as_generation(tmp_path):
-    """Left-padded rows. RoPE sees relative positions only, so TRL's forwards without position_ids (real tokens
-    numbered from the padding on) differ from generate() by rounding alone: measured ~1e-4 mean |d log p| on
-    these rows, no expert changed. With position ids from the mask (the default) the old pass reproduces the
-    generation's log-probs to float32 noise (~4e-8) and its experts exactly."""
-    logs = {}
+def test_position_ids_make_training_forwards_number_tokens_as_generation(tmp_path):
+    """Left-padded rows. generate() numbers each row's real tokens from 0 (the pads' columns do not count);
+    TRL's training forwards pass no position_ids, so transformers would number every column 0..S-1. With
+    moe_position_ids (the default) every training forward receives generate()'s numbering, read here by the
+    tests' own hook on the decoder (what the model actually got). Positions, not log-prob gaps, are compared:
+    how far the two numberings move log-probs is rounding (RoPE sees relative positions), and rounding depends on
+    the kernels (~4e-8 mean |d log p| with AVX512 kernels, ~1.5e-4 with ATen AVX2 + MKL_CBWR=COMPATIBLE)."""
     for on in (True, False):
         t = trainer(tmp_path / str(on), "qwen3_moe", "none", moe_position_ids=on, max_steps=1)
+        seen = []  # (attention mask, position ids) of every call that reads a whole sequence (no decode step)
+        hook = t.model.model.register_forward_pre_hook(
+            lambda m, a, kw: seen.append((kw["attention_mask"], kw.get("position_ids")))
+            if kw.get("input_ids") is not None and kw.get("attention_mask") is not None
+            and kw["input_ids"].shape[1] == kw["attention_mask"].shape[1] else None, with_kwargs=True)
         t.train()
-        logs[on] = t.state.log_history[0]
-    assert logs[True]["mismatch/abs_diff"] < 1e-6 and logs[True]["mismatch/expert_change"] == 0.0
-    assert logs[False]["mismatch/abs_diff"] > 1e-6
+        hook.remove()
+        gen_mask, gen_pos = seen[0]  # generate()'s prefill: the padded prompts
+        assert (gen_mask == 0).any(), "the generation batch must hold left-padded rows"
+        real = gen_mask.bool()
+        assert gen_pos is not None and torch.equal(gen_pos[real], (gen_mask.long().cumsum(-1) - 1)[real])
+        full = [(mask, pos) for mask, pos in seen if mask.shape[1] > gen_mask.shape[1]]  # prompt + completion
+        assert full
+        for mask, pos in full:
+            if on:
+                real = mask.bool()
+                assert pos is not None and torch.equal(pos[real], (mask.long().cumsum(-1) - 1)[real])
+            else:
+                assert pos is None
 
 
 def test_logged_metrics_equal_moe_labs_functions_on_the_hooked_experts(tmp_path):
