@@ -58,14 +58,13 @@ def carried_curves(frame: pd.DataFrame, metric: str, grid_of: Callable[[pd.Serie
     keys = [c for c in RUN_COLUMNS if c in frame.columns]
     parts = []
     for key, run in frame.groupby(keys, sort=True, dropna=False):
-        values = run.groupby("step")[metric].mean().dropna()  # sorted by step: reindex's ffill needs that
+        values = run.groupby("step")[metric].mean().dropna()
         if values.empty:
             continue
         grid_s = np.asarray(grid_of(run.iloc[0]), dtype=int)
         if not _finished(run.iloc[0]):
             grid_s = grid_s[grid_s <= values.index.max()]
-        carried = values.reindex(grid_s, method="ffill").to_numpy(float)
-        parts.append(pd.DataFrame({**dict(zip(keys, key)), "step": grid_s, metric: carried}))
+        parts.append(pd.DataFrame({**dict(zip(keys, key)), "step": grid_s, metric: endpoints.carried(values, grid_s)}))
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*keys, "step", metric])
     return out.assign(setting=out["arm"].map(setting_of))
 

@@ -44,7 +44,7 @@ def eval_schedule(steps: int, eval_every: int) -> list[int]:
     return grid if grid[-1] == steps else [*grid, steps]
 
 
-def _carried(values: pd.Series, grid: Sequence[int]) -> np.ndarray:
+def carried(values: pd.Series, grid: Sequence[int]) -> np.ndarray:
     """``values`` (indexed by step) at each grid step: the last value at or before it (carried forward)."""
     values = values.dropna().sort_index()
     if values.empty:
@@ -73,11 +73,11 @@ def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec
             per_step = m.groupby("step")[spec.secondary_metric].mean()
             # metrics rows are numbered 0..steps-1 (an evaluation at s follows s steps): the last n are steps-n..steps-1
             tail = list(range(steps - math.ceil(spec.last_frac * steps), steps))
-            secondary = float(np.nanmean(_carried(per_step, tail)))
+            secondary = float(np.nanmean(carried(per_step, tail)))
         collapsed = bool(np.isfinite(ev["collapsed_at"].astype(float)).any()) if "collapsed_at" in ev else False
         rows.append({**dict(zip(keys, key)), "arm_base": first.get("arm_base", key[keys.index("arm")]),
                      "setting": str(key[keys.index("arm")]).partition("__")[2], "status": first.get("status"),
-                     "primary": float(np.nanmean(_carried(acc, grid))), "secondary": secondary,
+                     "primary": float(np.nanmean(carried(acc, grid))), "secondary": secondary,
                      "collapsed": collapsed})
     return pd.DataFrame(rows)
 

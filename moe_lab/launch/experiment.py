@@ -79,8 +79,9 @@ def endpoint_spec(exp: dict | None) -> EndpointSpec:
         if not isinstance(part, dict) or set(part) - allowed:
             raise ConfigError(f"endpoints.{key}: expected a mapping with keys {', '.join(sorted(allowed))}, "
                               f"got {part!r}")
-    spec = EndpointSpec(str(p.get("metric", EndpointSpec.primary_metric)), p.get("last_evals", 5),
-                        str(s.get("metric", EndpointSpec.secondary_metric)), s.get("last_frac", 0.25))
+    d = EndpointSpec()
+    spec = EndpointSpec(str(p.get("metric", d.primary_metric)), p.get("last_evals", d.last_evals),
+                        str(s.get("metric", d.secondary_metric)), s.get("last_frac", d.last_frac))
     if isinstance(spec.last_evals, bool) or not isinstance(spec.last_evals, int) or spec.last_evals < 1:
         raise ConfigError(f"endpoints.primary.last_evals: allowed an integer >= 1, got {spec.last_evals!r}")
     if isinstance(spec.last_frac, bool) or not isinstance(spec.last_frac, (int, float)) \

@@ -20,11 +20,10 @@ from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
-from moe_lab.models import family_of_router
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
 from moe_lab.rl.groups import group_minibatch_indices
-from moe_lab.rl.optim import set_lr
+from moe_lab.rl.optim import router_parameters, set_lr
 from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
                              router_logp_probe, router_shift, routing_metrics)
@@ -127,9 +126,8 @@ def _backward(policy, loss: torch.Tensor, grad_clip: float) -> tuple[float, floa
 def router_grad_norm(policy) -> float:
     """L2 norm of the gradient on every router's weights: whether the router learns from the loss at all
     (top-1 with renormalised gate weights gives it none from the policy loss). 0 when no router has a gradient
-    (frozen router, or no routers)."""
-    grads = [p.grad.detach().float().norm() for m in policy.modules() if family_of_router(m) is not None
-             for p in m.parameters() if p.grad is not None]
+    (a frozen router)."""
+    grads = [p.grad.detach().float().norm() for p in router_parameters(policy) if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
 
 
