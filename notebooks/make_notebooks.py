@@ -199,7 +199,7 @@ REPLAY = {
 LOAD_CONFIRMATION = '''\
 # Each folder only where it exists: the confirmation and the controls may still be running (their running runs
 # are drawn up to their last step and left out of the tables and the forest until they finish).
-NAMES = ("replay_rescue", "replay_rescue_confirm", "router_controls")
+NAMES = ("replay_rescue", "replay_rescue_confirm", "router_controls", "learning_rescue")
 FOLDERS = [REFERENCE / n for n in NAMES if (REFERENCE / n / "runs").is_dir()]
 loaded = {f.name: endpoint_plots.load_folder(f) for f in FOLDERS}
 for name in NAMES:

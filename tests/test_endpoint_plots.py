@@ -196,3 +196,25 @@ def test_planned_only_with_seeds_to_band_and_arms_to_pair(folder, tmp_path):
             shutil.rmtree(run)
     planned = figures.planned_figures(*results.load_runs(one_arm))
     assert "learning_curves" in planned and "forest" not in planned
+
+
+def test_forest_command_draws_the_folders_rows_and_refuses_bad_input_in_one_line(folder, settings_folder, tmp_path,
+                                                                                 capsys, monkeypatch):
+    from moe_lab.cli import main
+
+    drawn = {}
+    real = endpoint_plots.forest_across
+    monkeypatch.setattr(endpoint_plots, "forest_across",
+                        lambda *a, **k: drawn.setdefault("fig", real(*a, **k)))
+    out = tmp_path / "figs" / "forest.png"
+    assert main(["forest", str(folder), str(settings_folder), "--arms", "gspo", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    labels = [t.get_text() for t in drawn["fig"].axes[0].get_yticklabels()]
+    assert labels == ["exp: GSPO − GRPO", "controls · control=aux: GSPO − GRPO", "controls · control=clip: GSPO − GRPO"]
+    capsys.readouterr()
+    for argv, needle in ([str(tmp_path / "absent"), "--out", str(out)], f"RESULTS_DIR={tmp_path / 'absent'}"), \
+                        ([str(folder), "--out", str(tmp_path / "f.txt")], "--out="), \
+                        ([str(folder), "--arms", "ppo", "--out", str(out)], "--arms=ppo"):
+        assert main(["forest", *argv]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1
