@@ -108,7 +108,7 @@ def test_a_bad_endpoints_block_is_one_line_naming_the_field(block, field):
 def test_experiment_files_of_the_confirmation_runs_fix_the_default_endpoints():
     from moe_lab.cli import read_experiment
 
-    for name in ("replay_rescue_confirm", "router_controls"):
+    for name in ("replay_rescue_confirm", "router_controls", "learning_rescue"):
         assert endpoint_spec(read_experiment(name)) == EndpointSpec()
 
 

@@ -305,6 +305,18 @@ def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: b
         raise
 
 
+def seed_major(cells: list[Cell]) -> list[Cell]:
+    """The cells in running order: every arm of the first seed, then of the next (stable within a seed).
+
+    Why: a long experiment stopped part-way (or still running) then holds the same seeds in every arm, so
+    `moe-lab compare` compares like with like; arm by arm it would hold whole arms and none of others.
+    """
+    first = {}
+    for c in cells:
+        first.setdefault(c.seed, len(first))
+    return sorted(cells, key=lambda c: first[c.seed])
+
+
 def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: list[str] = (),
                    arms: list[str] | None = None, seeds: list[int] | None = None, overwrite: bool = False,
                    progress: bool = True, echo=print, report_to: str | None = None, backend=None) -> dict[str, str]:
@@ -335,7 +347,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
         shutil.rmtree(runs_dir, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / EXPERIMENT_FILE, yaml.safe_dump(exp, sort_keys=False))
-    todo = groups["new"] + groups["resume"]
+    todo = seed_major(groups["resume"] + groups["new"])
     jobs = jobs or default_jobs(max(c.config.threads for c in cells))
     where = f"{jobs} worker(s)" if backend is None else backend.describe()
     echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
