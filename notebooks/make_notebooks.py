@@ -210,6 +210,8 @@ for name, (spec, m, e) in loaded.items():
     per_run = endpoint_plots.finished_endpoints(m, e, spec)
     unfinished = e["run_id"].nunique() - len(per_run)
     print(f"\\n### {name}" + (f" ({unfinished} runs not finished, left out)" if unfinished else ""))
+    if not len(per_run):
+        continue
     print(endpoints.format_comparison(spec, endpoints.arm_means(per_run), endpoint_plots.endpoint_pairs(per_run)))'''
 
 CONFIRMATION = {

@@ -218,3 +218,13 @@ def test_forest_command_draws_the_folders_rows_and_refuses_bad_input_in_one_line
         assert main(["forest", *argv]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_forest_across_leaves_out_a_folder_whose_runs_are_all_still_running(folder, tmp_path):
+    running = tmp_path / "running"
+    shutil.copytree(folder, running)
+    for manifest in running.glob("runs/*/manifest.json"):
+        manifest.write_text(manifest.read_text().replace('"status": "done"', '"status": "running"'))
+    assert {m.read_text().count('"status": "running"') for m in running.glob("runs/*/manifest.json")} == {1}
+    labels = [t.get_text() for t in endpoint_plots.forest_across([folder, running]).axes[0].get_yticklabels()]
+    assert [lb.split(":")[0] for lb in labels] == ["exp", "exp"]

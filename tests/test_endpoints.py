@@ -148,3 +148,11 @@ def test_the_findings_tables_are_what_compare_prints(reference, capsys):
     printed = capsys.readouterr().out.strip()
     findings = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text(encoding="utf-8")
     assert printed in findings, f"paste `moe-lab compare results/reference/{reference} --baseline grpo` into findings"
+
+
+def test_a_p_value_below_a_thousandth_keeps_its_digits():
+    from moe_lab.analysis.endpoints import format_p, permutation_p
+
+    p, exact = permutation_p(np.arange(10.0), np.arange(10.0) + 100)  # every seed of one arm above the other's
+    assert exact and p == pytest.approx(2 / math.comb(20, 10))
+    assert format_p(p) == "1.1e-05" and format_p(0.0019) == "0.0019" and format_p(1.0) == "1.0000"

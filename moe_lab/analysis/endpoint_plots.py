@@ -159,7 +159,7 @@ def _row_label(group: str, r) -> str:
 
 def _p_text(r, column: str) -> str:
     p, exact = getattr(r, f"{column}_p"), getattr(r, f"{column}_p_exact")
-    return f"p={p:.4f}{'' if exact else ' (MC)'}  n={r.n} vs {r.n_vs}"
+    return f"p={endpoints.format_p(p)}{'' if exact else ' (MC)'}  n={r.n} vs {r.n_vs}"
 
 
 @styled
@@ -202,13 +202,17 @@ def forest_of_frames(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointS
 def forest_across(folders: Sequence[str | Path], baseline: str | None = "grpo", column: str = "primary",
                   arms: Sequence[str] | None = None) -> Figure:
     """One forest over several experiment folders (each its own rows, labelled with the folder's name); a
-    folder that is absent or has no runs is left out. Each folder's endpoints come from its own experiment.yaml.
+    folder that is absent, has no runs or no finished ones is left out. Each folder's endpoints come from its
+    own experiment.yaml.
     ``arms``: only the rows of these arms against the baseline (e.g. grpo_r2 and gspo), else every arm."""
     entries = []
     for folder in map(Path, folders):
         if not folder.is_dir() or not results.find_run_dirs(folder):  # absent or not started yet
             continue
         spec, metrics, evals = load_folder(folder)
-        pairs = endpoint_pairs(finished_endpoints(metrics, evals, spec), baseline)
+        per_run = finished_endpoints(metrics, evals, spec)
+        if not len(per_run):  # every run still running: nothing to compare yet
+            continue
+        pairs = endpoint_pairs(per_run, baseline)
         entries.append((folder.name, pairs if arms is None else pairs[pairs["arm"].isin(arms)]))
     return forest(entries, column=column)
