@@ -141,7 +141,7 @@ def test_compare_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
 
 
 @pytest.mark.parametrize("reference", ["replay_rescue", "replay_rescue_confirm", "router_controls", "learning_rescue",
-                                       "replay_map", "stabilizers_2026", "paper", "instability",
+                                       "router_controls_aux", "replay_map", "stabilizers_2026", "paper", "instability",
                                        "instability_clip_off", "stabilizers", "stabilizers_clip_off"])
 def test_the_findings_tables_are_what_compare_prints(reference, capsys):
     assert main(["compare", f"results/reference/{reference}", "--baseline", "grpo"]) == 0
