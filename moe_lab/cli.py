@@ -166,6 +166,7 @@ def _add_compare_parser(sub) -> None:
 
 
 def _compare(args) -> int:
+    from moe_lab.analysis.contrasts import format_declared, load_declared
     from moe_lab.analysis.endpoints import format_comparison, load_comparison
 
     spec, per_run, arms, pairs = load_comparison(args.results, args.baseline)
@@ -174,6 +175,9 @@ def _compare(args) -> int:
         print(f"moe-lab: note: {len(unfinished)} run(s) not finished, left out: {', '.join(unfinished)}",
               file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
+    declared = load_declared(args.results)
+    if len(declared) and not args.csv:  # the contrasts the experiment file fixed before its runs
+        print("\n" + format_declared(declared))
     return 0
 
 

@@ -30,6 +30,7 @@ import pandas as pd
 
 from moe_lab.analysis.replay_map import welch_diff_ci
 from moe_lab.config import ConfigError
+from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
 from moe_lab.rl.runlog import FINISHED
 
@@ -54,9 +55,11 @@ def carried(values: pd.Series, grid: Sequence[int]) -> np.ndarray:
     return np.where(pos >= 0, out, math.nan)
 
 
-def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec = EndpointSpec()) -> pd.DataFrame:
+def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec = EndpointSpec(),
+                  block_field: str | None = None) -> pd.DataFrame:
     """One row per finished run (done or collapsed): experiment, arm, arm_base, setting, seed, run_id, status,
-    primary, secondary, collapsed (bool). Running and failed runs are left out (see ``unfinished_runs``)."""
+    primary, secondary, collapsed (bool), block (the run's value of ``block_field``, e.g. its cold start's
+    model.seed, as text; "all" without one). Running and failed runs are left out (see ``unfinished_runs``)."""
     rows = []
     keys = [k for k in ("experiment", "arm", "seed", "run_id") if k in evals.columns]
     by_run = dict(tuple(metrics.groupby(keys, sort=True))) if len(metrics) else {}
@@ -78,7 +81,8 @@ def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec
         rows.append({**dict(zip(keys, key)), "arm_base": first.get("arm_base", key[keys.index("arm")]),
                      "setting": str(key[keys.index("arm")]).partition("__")[2], "status": first.get("status"),
                      "primary": float(np.nanmean(carried(acc, grid))), "secondary": secondary,
-                     "collapsed": collapsed})
+                     "collapsed": collapsed,
+                     "block": str(first[block_field]) if block_field and block_field in ev else "all"})
     return pd.DataFrame(rows)
 
 
@@ -161,13 +165,14 @@ def load_comparison(results: str | Path, baseline: str | None = None) -> tuple[E
     if not folder.is_dir():
         raise ConfigError(f"RESULTS_DIR={results}: no such folder")
     exp_file = folder / "experiment.yaml"
-    spec = endpoint_spec(load_yaml(str(exp_file)) if exp_file.is_file() else None)
+    exp = load_yaml(str(exp_file)) if exp_file.is_file() else None
+    spec, blocks = endpoint_spec(exp), blocks_spec(exp)
     metrics, evals = load_runs(folder)
     if not len(evals):
         raise ConfigError(f"RESULTS_DIR={results}: no finished runs with evaluations")
     if spec.primary_metric not in evals:
         raise ConfigError(f"endpoints.primary.metric={spec.primary_metric}: not a column of the eval tables")
-    per_run = run_endpoints(metrics, evals, spec)
+    per_run = run_endpoints(metrics, evals, spec, blocks.field if blocks else None)
     if not len(per_run):
         raise ConfigError(f"RESULTS_DIR={results}: no finished runs yet (status done or collapsed)")
     per_run.attrs["unfinished"] = unfinished_runs(evals)

@@ -19,6 +19,9 @@ An experiment YAML::
 An arm may carry its own list of points under ``_points`` (e.g. clip ranges that differ per algorithm):
 ``gspo: {rl: {algo: gspo}, _points: [{rl.clip_low: 1e-4, rl.clip_high: 1.3e-4}, ...]}``.
 
+``blocks`` (instead of ``seeds``) runs each value of one field, e.g. ``model.seed`` (a cold start of its own),
+with RL seeds of its own; ``contrasts`` declares the pairs of arms `moe-lab compare` tests (launch/design.py).
+
 Instead of a ``sweep``, ``factors`` varies one factor at a time around ``base`` (the stability atlas)::
 
     factors:
@@ -38,8 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
+from moe_lab.launch.design import blocks_spec, contrasts_spec
 
-TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "minutes_2cores", "endpoints")
+TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "blocks", "minutes_2cores",
+            "endpoints", "contrasts")
 BASE_LABEL = "base"
 
 
@@ -155,6 +160,8 @@ def check_shape(exp: Any) -> None:
     if sweep is not None and not isinstance(sweep, dict):
         raise ConfigError(f"sweep: expected a mapping of dotted.field -> list of values, got {sweep!r}")
     endpoint_spec(exp)  # raises on a malformed endpoints block
+    blocks_spec(exp)
+    contrasts_spec(exp)
     seeds = exp.get("seeds")
     if seeds is not None and not (isinstance(seeds, list) and seeds and all(map(_is_seed, seeds))):
         raise ConfigError(f"seeds: expected a non-empty list of integers >= 0 (e.g. seeds: [0, 1, 2]), got {seeds!r}")
@@ -202,7 +209,12 @@ def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = Non
         if missing:
             raise ConfigError(f"--arms: unknown arm(s) {missing}; allowed: {', '.join(all_arms)}")
         all_arms = {a: all_arms[a] for a in arms}
-    seeds = list(seeds if seeds is not None else exp.get("seeds", [0]))
+    blocks = blocks_spec(exp)
+    # (block value, seed) per cell; without blocks the block value is None and no field is set
+    plain = seeds if seeds is not None else exp.get("seeds", [0])
+    runs = blocks.cells(seeds) if blocks else [(None, s) for s in plain]
+    if blocks and not runs:
+        raise ConfigError(f"--seeds: none of {seeds} is a seed of blocks.seeds")
     cells = []
     for arm, arm_spec in all_arms.items():
         arm_spec = dict(arm_spec or {})
@@ -216,8 +228,10 @@ def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = Non
             for key, value in point.items():
                 set_dotted(data, key, value)
             arm_name = arm + label
-            for seed in seeds:
+            for value, seed in runs:
                 data["seed"] = seed
+                if blocks:
+                    set_dotted(data, blocks.field, value)
                 cfg = from_dict(apply_overrides(data, list(overrides)))
                 validate(cfg)
                 cells.append(Cell(f"{arm_name}-s{cfg.seed}", arm_name, cfg.seed, cfg))

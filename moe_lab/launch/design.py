@@ -1,0 +1,115 @@
+"""The parts of an experiment file that say how its runs are grouped and compared, fixed before the runs.
+
+``blocks``: independent cold starts (or any other field whose value is shared by a group of runs). Each block
+value gets its own RL seeds, so runs are nested in blocks and no seed is shared across blocks::
+
+    blocks:
+      field: model.seed            # a dotted RunConfig field; each value warms up its own cold start
+      seeds: {1: [400, 401], 2: [410, 411]}
+
+``contrasts``: the pairs of arms the analysis is about, each taken within every setting, primary ones
+Holm-adjusted together; a contrast with ``equivalence_margin`` is also tested for equivalence (TOST)::
+
+    contrasts:
+      primary:   [{arm: gspo, vs: grpo_r2}, {arm: grpo_r2, vs: grpo, equivalence_margin: 0.05}]
+      secondary: [{arm: grpo_r2w, vs: grpo_r2}]
+
+Arm names are arm bases (the name before ``__``). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from moe_lab.config import ConfigError
+
+ROLES = ("primary", "secondary")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    field: str
+    """dotted config field that defines a block (model.seed: the cold start)"""
+    seeds: dict[Any, list[int]]
+    """block value -> the RL seeds run from it (disjoint across blocks)"""
+
+    def cells(self, only: list[int] | None = None) -> list[tuple[Any, int]]:
+        """(block value, seed) in running order: the i-th seed of every block, then the (i+1)-th, so an
+        experiment stopped part-way holds the same number of seeds in every cold start."""
+        depth = max(len(s) for s in self.seeds.values())
+        order = [(v, s[i]) for i in range(depth) for v, s in self.seeds.items() if i < len(s)]
+        return [(v, s) for v, s in order if only is None or s in only]
+
+
+@dataclass(frozen=True)
+class Contrast:
+    arm: str
+    """arm base whose endpoint is the minuend (arm - vs)"""
+    vs: str
+    """arm base subtracted"""
+    role: str
+    """primary (Holm-adjusted together) or secondary (reported, unadjusted)"""
+    margin: float | None = None
+    """equivalence margin: TOST of |arm - vs| < margin; None = difference test only"""
+
+
+def _seed_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)
+
+
+def blocks_spec(exp: dict | None) -> Blocks | None:
+    """The ``blocks:`` block checked (one ConfigError naming the key), or None when the file has none."""
+    block = (exp or {}).get("blocks")
+    if block is None:
+        return None
+    if not isinstance(block, dict) or set(block) != {"field", "seeds"}:
+        raise ConfigError(f"blocks: expected a mapping with keys field, seeds, got {block!r}")
+    if exp.get("seeds") is not None:
+        raise ConfigError("experiment: 'blocks' and 'seeds' exclude each other (blocks.seeds names every seed)")
+    field, seeds = block["field"], block["seeds"]
+    if not isinstance(field, str) or "." not in field:
+        raise ConfigError(f"blocks.field: expected a dotted config field such as model.seed, got {field!r}")
+    if not isinstance(seeds, dict) or not seeds or not all(map(_seed_list, seeds.values())):
+        raise ConfigError(f"blocks.seeds: expected a mapping block value -> non-empty list of integers >= 0, "
+                          f"got {seeds!r}")
+    flat = [s for listed in seeds.values() for s in listed]
+    if len(set(flat)) != len(flat):
+        raise ConfigError("blocks.seeds: a seed appears twice; every block runs seeds of its own")
+    return Blocks(field, {k: list(v) for k, v in seeds.items()})
+
+
+def _contrast(role: str, item: Any, arms: set[str]) -> Contrast:
+    where = f"contrasts.{role}"
+    if not isinstance(item, dict) or not {"arm", "vs"} <= set(item) \
+            or set(item) - {"arm", "vs", "equivalence_margin"}:
+        raise ConfigError(f"{where}: expected entries {{arm: A, vs: B[, equivalence_margin: m]}}, got {item!r}")
+    for key in ("arm", "vs"):
+        if arms and item[key] not in arms:
+            raise ConfigError(f"{where}.{key}={item[key]!r}: no such arm; allowed: {', '.join(sorted(arms))}")
+    if item["arm"] == item["vs"]:
+        raise ConfigError(f"{where}: arm and vs are both {item['arm']!r}")
+    margin = item.get("equivalence_margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not 0 < margin < math.inf):
+        raise ConfigError(f"{where}.equivalence_margin: allowed a number > 0, got {margin!r}")
+    return Contrast(str(item["arm"]), str(item["vs"]), role, None if margin is None else float(margin))
+
+
+def contrasts_spec(exp: dict | None) -> list[Contrast]:
+    """The declared contrasts (primary first), checked against the file's arms; [] when none are declared."""
+    block = (exp or {}).get("contrasts")
+    if block is None:
+        return []
+    if not isinstance(block, dict) or not block or set(block) - set(ROLES):
+        raise ConfigError(f"contrasts: expected a mapping with keys {', '.join(ROLES)}, got {block!r}")
+    arms = {str(a).split("__", 1)[0] for a in ((exp or {}).get("arms") or {})}
+    out = []
+    for role in ROLES:
+        items = block.get(role) or []
+        if not isinstance(items, list):
+            raise ConfigError(f"contrasts.{role}: expected a list of {{arm: A, vs: B}}, got {items!r}")
+        out += [_contrast(role, item, arms) for item in items]
+    return out
