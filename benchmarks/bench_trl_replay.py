@@ -8,12 +8,21 @@ runs its old-policy pass in every arm and R2 has something to replay). The polic
 gradient checkpointing, fp32, one thread. CPU seconds per RL step (``time.process_time``: robust to other jobs on
 the machine) = median over rounds and cycles (the first cycle of each run, a warm-up, dropped).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_trl_replay.py [--rounds 3] [--cycles 3] [--threads 1]
+``--width`` sets the model's hidden size (default 128, moe_lab's default model; the overhead is a larger share
+of a step at smaller widths, where TRL's own work per token is smaller).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_trl_replay.py [--rounds 3] [--cycles 3] [--threads 1] [--width 128]
+
+``--profile "R3 + metrics"`` runs that one arm under cProfile instead and prints the share of the process's CPU
+time spent inside moe_lab's routing hooks, batch routing and metrics (robust where the interleaved timing is not
+resolved: a machine shared with other jobs).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -86,20 +95,48 @@ def run_arm(name: str, init: dict, cfg, task, prompts: list[str], cycles: int, o
     return clock.cycles[1:]
 
 
+# moe_lab's entry points called from TRL's and torch's code: their cumulative time is what the integration adds
+ENTRIES = {("routing/hooks.py", "_router_hook"), ("routing/hooks.py", "_pre_call"), ("routing/hooks.py", "finish"),
+           ("routing/hooks.py", "__init__"), ("integrations/trl/trainer.py", "_moe_measure"),
+           ("integrations/batch_routing.py", "hook"), ("integrations/batch_routing.py", "finish"),
+           ("integrations/batch_routing.py", "_add_position_ids"), ("integrations/trl/trainer.py", "_moe_batch_routing"),
+           ("integrations/metric_row.py", "take"), ("integrations/trl/state.py", "old_reference"),
+           ("integrations/trl/state.py", "batch")}
+
+
+def profile_arm(name: str, init: dict, cfg, task, prompts: list[str], cycles: int) -> None:
+    profiler = cProfile.Profile()
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.manual_seed(0)
+        profiler.enable()
+        run_arm(name, init, cfg, task, prompts, cycles, out_dir)
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    ours = sum(v[3] for (path, _, fn), v in stats.stats.items()
+               if "moe_lab/" in path and (path.split("moe_lab/")[-1], fn) in ENTRIES)
+    print(f"{name}: {ours:.2f} of {stats.total_tt:.2f} CPU s in moe_lab's hooks, batch routing and metrics "
+          f"({100 * ours / stats.total_tt:.1f}%)")
+
+
 def options() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=3, help="timed RL steps per run (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--width", type=int, default=128, help="the model's hidden_size")
+    ap.add_argument("--profile", default=None, choices=list(ARMS), help="profile this arm instead of timing")
     return ap.parse_args()
 
 
 def main() -> None:
-    opts, cfg = options(), validate(from_dict({}))
+    opts = options()
+    cfg = validate(from_dict({"model": {"hidden_size": opts.width}}))
     torch.set_num_threads(opts.threads)
     task = get_task(cfg.task)
     init = policy(cfg, task.tokenizer).state_dict()  # build_model seeds its own init (cfg.model.seed)
     prompts = task.sample_prompts(16, np.random.default_rng(0))
+    if opts.profile:
+        return profile_arm(opts.profile, init, cfg, task, prompts, opts.cycles)
     times: dict[str, list[float]] = {name: [] for name in ARMS}
     names = list(ARMS)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -109,7 +146,8 @@ def main() -> None:
                 times[name] += run_arm(name, init, cfg, task, prompts, opts.cycles, out_dir)
     import trl
 
-    print(f"trl {trl.__version__}, torch {torch.__version__}, threads={opts.threads}, {opts.rounds} rounds x "
+    print(f"trl {trl.__version__}, torch {torch.__version__}, threads={opts.threads}, width {opts.width}, "
+          f"{opts.rounds} rounds x "
           f"{opts.cycles} timed RL steps per arm (16 prompts x 8 responses, 4 optimizer steps each)")
     base = statistics.median(times["trl alone"])
     for name, values in times.items():

@@ -57,7 +57,7 @@ def main() -> None:
         trainer = MoEGRPOTrainer(model=model, reward_funcs=sort_reward, args=config, train_dataset=data,
                                  processing_class=tok)
         trainer.train()
-    print(f"routing_replay={args.replay}: means over each logging window of 8 optimizer steps")
+    print(f"routing_replay={args.replay}: each logging window of 8 optimizer steps, combined by token counts")
     print("step " + " ".join(f"{label:>13s}" for label in SHOWN.values()))
     for row in trainer.state.log_history:
         if "routing/confidence" in row:

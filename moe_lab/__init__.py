@@ -2,7 +2,8 @@
 
 The package is layered; each folder imports only from the ones listed before it (docs/architecture.md):
 ``config`` / ``constants`` (the bottom), ``algos`` (pure tensor math), ``models`` and ``routing``, ``tasks``,
-``rl`` (the run loop), ``launch`` (experiment grids, runner, trackers), ``analysis`` (read results), ``cli``.
+``formats`` (routed-expert layouts of other stacks), ``rl`` (the run loop), ``launch`` (experiment grids, runner,
+trackers), ``analysis`` (read results), ``audit`` (verify, check-trace), ``cli``.
 
 The modules lived in one flat folder before; their old names (``moe_lab.losses``, ``moe_lab.results``,
 ``from moe_lab import plots``...) still import, as aliases of the very same module objects (so that a
@@ -29,6 +30,8 @@ MOVED = {
     "results": "analysis.results", "stability": "analysis.stability", "plots": "analysis.plots",
     "stability_plots": "analysis.stability_plots", "figures": "analysis.figures",
     "replay_map": "analysis.replay_map", "replay_plots": "analysis.replay_plots",
+    # moved a level deeper: `moe_lab.launch.verify` is now `moe_lab.audit.verify`
+    "launch.verify": "audit.verify", "launch.verdicts": "audit.verdicts",
 }
 
 

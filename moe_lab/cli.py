@@ -3,12 +3,14 @@
 Exit codes: 0 every run finished (done, or collapsed: stopped by a collapse rule, a result like any other);
 1 some run did not finish (failed, or locked by another runner) or some run could not be plotted; 2 bad
 input (one line on stderr, nothing written); 130 interrupted by Ctrl-C. `moe-lab verify`: 1 means some cell
-gave other bits on the same machine (moe_lab/launch/verify.py).
+gave other bits on the same machine (moe_lab/audit/verify.py). Commands in modules of their own (COMMANDS) say
+their exit codes in their own docstrings.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 import sys
@@ -17,6 +19,14 @@ from pathlib import Path
 
 from moe_lab.launch.catalog import BUILTIN, builtin_names
 from moe_lab.config import ConfigError, RunConfig, field_table, load_yaml
+
+# Commands that live in a module of their own: each exposes add_parser(subparsers) -> its parser, and
+# main(args) -> exit code, and imports its heavy dependencies inside main (the parser is built for every
+# command). Adding a command is one line here.
+COMMANDS = (
+    "moe_lab.audit.check_trace",
+    "moe_lab.audit.volatility",
+)
 
 
 def builtin_experiment(name: str) -> dict:
@@ -139,7 +149,7 @@ def _config_table() -> str:
 
 def _add_verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="re-run a few cells of a results folder and say whether this machine gives "
-                                      "the same bits (moe_lab/launch/verify.py; docs/guide.md)")
+                                      "the same bits (moe_lab/audit/verify.py; docs/guide.md)")
     p.add_argument("results", help="results folder (experiment.yaml, runs/<run_id>/config.yaml), e.g. "
                                    "results/reference/golden/default")
     p.add_argument("--cells", default=None, help="cells to re-run: N or all (default 2: the lowest seed of the "
@@ -149,7 +159,7 @@ def _add_verify_parser(sub) -> None:
 
 
 def _verify(argv: list[str], args) -> int:
-    from moe_lab.launch.verify import pin_like_reference, prepare, recorded_pins, verify
+    from moe_lab.audit.verify import pin_like_reference, prepare, recorded_pins, verify
 
     runs, chosen, steps, exp = prepare(args.results, args.cells, args.steps)
     pin_like_reference(recorded_pins(chosen), argv)  # before any work: kernels are chosen at first use
@@ -233,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_parser(sub)
     _add_compare_parser(sub)
     _add_forest_parser(sub)
+    for name in COMMANDS:
+        module = importlib.import_module(name)
+        module.add_parser(sub).set_defaults(command_main=module.main)
     p = sub.add_parser("config", help="print the table of every config field (markdown)")
     sub.add_parser("list", help="every built-in experiment: first sentence of its description, cells, runtime on "
                                 "2 cores")
@@ -243,6 +256,9 @@ def _interrupted(args, argv: list[str]) -> int:
     if getattr(args, "cmd", None) == "verify":
         print("\nmoe-lab: interrupted; verify re-runs into a temporary folder, now removed: nothing to resume",
               file=sys.stderr)
+        return 130
+    if getattr(args, "command_main", None) is not None:  # a command of COMMANDS: no runs to resume
+        print(f"\nmoe-lab: {args.cmd} interrupted", file=sys.stderr)
         return 130
     out = getattr(args, "out", None)
     print(f"\nmoe-lab: interrupted; unfinished runs are marked 'interrupted' in their manifest.json. Resume with:\n"
@@ -292,6 +308,8 @@ def _main(argv: list[str]) -> int:
             from moe_lab.launch.isa import pin_or_reexec
 
             pin_or_reexec(args.cpu_isa, argv)  # before any work: kernels are chosen at first use
+        if getattr(args, "command_main", None) is not None:
+            return args.command_main(args)
         if args.cmd == "run":
             return _run(read_experiment(args.experiment), args.out, args)
         if args.cmd == "reproduce":

@@ -199,7 +199,8 @@ REPLAY = {
 LOAD_CONFIRMATION = '''\
 # Each folder only where it exists: the confirmation and the controls may still be running (their running runs
 # are drawn up to their last step and left out of the tables and the forest until they finish).
-NAMES = ("replay_rescue", "replay_rescue_confirm", "router_controls", "learning_rescue")
+NAMES = ("replay_rescue", "replay_rescue_confirm", "router_controls", "router_controls_aux", "learning_rescue",
+         "router_learns")
 FOLDERS = [REFERENCE / n for n in NAMES if (REFERENCE / n / "runs").is_dir()]
 loaded = {f.name: endpoint_plots.load_folder(f) for f in FOLDERS}
 for name in NAMES:
@@ -214,16 +215,31 @@ for name, (spec, m, e) in loaded.items():
         continue
     print(endpoints.format_comparison(spec, endpoints.arm_means(per_run), endpoint_plots.endpoint_pairs(per_run)))'''
 
+DECLARED = '''\
+# Folders whose experiment file declares its contrasts (router_learns): stratified by cold start, TOST, Holm
+for name, (spec, m, e) in loaded.items():
+    exp = load_yaml(str(REFERENCE / name / "experiment.yaml"))
+    declared, blocks = design.contrasts_spec(exp), design.blocks_spec(exp)
+    per_run = endpoints.run_endpoints(m, e, spec, blocks.field if blocks else None)
+    if declared and len(per_run):
+        print(f"\\n### {name}")
+        print(contrasts.format_declared(contrasts.declared_contrasts(per_run, declared)))'''
+
 CONFIRMATION = {
     "title": "# Does the rescue survive scrutiny? Endpoints fixed in advance, fresh seeds, router controls\n\n"
              "`replay_rescue` (seeds 0-4) found GRPO without replay collapsing where GRPO + R2 and GSPO did not. "
              "`replay_rescue_confirm` runs the same experiment unchanged on 10 seeds never used before (100-109); "
              "`router_controls` repeats GRPO, GRPO + R2 and GSPO under four router/optimizer settings (one column "
-             "each below). This notebook only reads results; folders still running are shown as far as they got.",
+             "each below), `router_controls_aux` follows up its balancing-loss control, and `router_learns` "
+             "tests the two learning-router settings from three independent cold starts each, with GRPO + R2 "
+             "replaying the gate weights too. This notebook only reads results; folders still running are shown "
+             "as far as they got.",
     "cells": [
         ("code", SETUP.replace("from moe_lab import figures, plots, results, stability, stability_plots",
                                "from moe_lab import figures, plots, results, stability, stability_plots\n"
-                               "from moe_lab.analysis import endpoint_plots, endpoints")),
+                               "from moe_lab.analysis import contrasts, endpoint_plots, endpoints\n"
+                               "from moe_lab.config import load_yaml\n"
+                               "from moe_lab.launch import design")),
         ("code", LOAD_CONFIRMATION),
         ("md", "## The endpoints, fixed before the runs\n"
                "- **primary**: per seed, the mean greedy accuracy (`eval/acc_greedy`) over the last 5 scheduled "
@@ -240,6 +256,13 @@ CONFIRMATION = {
                "so \"intervals apart\" is a stricter criterion than the one fixed in advance. Read the pair rows "
                "and the forest."),
         ("code", COMPARE),
+        ("md", "## The contrasts an experiment file declared\n"
+               "`router_learns` fixed its contrasts before its runs: GSPO − R2 and R2 − GRPO (equivalence within "
+               "±0.05, TOST) primary, Holm-adjusted together; (R2 + weights) − R2 and (R2 + weights) − GSPO "
+               "secondary. Each is taken within a setting, with the cold start as a block (a mixed model with a "
+               "random intercept per cold start and per cold start × arm); the per-cold-start differences are "
+               "printed beside it, and the run-level Welch interval that ignores the cold start for comparison."),
+        ("code", DECLARED),
         ("md", "## Learning curves\nGreedy accuracy at each scheduled evaluation (top) and sampled reward per step "
                "(bottom): mean over seeds with a 95% t band, a stopped run holding its last value; shaded, the "
                "endpoint's window; dashed, the cold start (the step-0 accuracy)."),

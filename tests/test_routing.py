@@ -81,7 +81,8 @@ def test_replay_takes_effect(family, shape):
 
 # top-1 in a family that renormalises the chosen weights: the one weight is exactly 1 whatever the logits
 # (model.top_k's help), so the router gets no gradient from the loss; Switch-style families keep p_e.
-RENORMALISING = {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"}
+RENORMALISING = {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5_moe", "qwen3_next",
+                 "minimax_m2", "dots1", "deepseek_v32", "ernie4_5_moe"}
 
 
 @pytest.mark.parametrize("top_k", [2, 1])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe_lab.models.families import FAMILIES
+from moe_lab.models.families import FAMILIES, sigmoid_router_logp
 from moe_lab.models import moe_layers, position_ids_from_mask
 from moe_lab.routing import Trace, record, replay, router_gamma, router_logp_probe, router_shift
 from test_routing import ALL, TINY, perturb_routers, tiny_model, tokens
@@ -14,7 +14,7 @@ from test_routing import ALL, TINY, perturb_routers, tiny_model, tokens
 def family_logp(family: str, logits_NE: torch.Tensor) -> torch.Tensor:
     """Written from the definitions, in float64: log-softmax over all experts; DeepSeek: log(s_e / sum_j s_j)."""
     x = logits_NE.double()
-    if family == "deepseek_v3":
+    if FAMILIES[family].router_logp is sigmoid_router_logp:  # DeepSeek-V3 and the other sigmoid routers
         s = torch.sigmoid(x)
         return (s / s.sum(-1, keepdim=True)).log()
     return x - x.exp().sum(-1, keepdim=True).log()

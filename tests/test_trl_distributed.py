@@ -19,14 +19,14 @@ WORKER = """
 import json, sys, tempfile, pathlib, torch
 sys.path.insert(0, {tests!r})
 import test_trl_integration as T
-from moe_lab.integrations import trl_metrics
+from moe_lab.integrations import metric_row
 seen = []
-combine = trl_metrics.combine
-def spying(gather, metrics, n_seq, n_tok):  # what each rank contributed, and what it logged
-    out = combine(gather, metrics, n_seq, n_tok)
-    seen.append(dict(parts=gather([(metrics, n_seq, n_tok)]), out=out))
+combine = metric_row.combine_parts
+def spying(parts):  # every rank's parts (gathered) and what they combine to
+    out = combine(parts)
+    seen.append(dict(parts=parts, out=out))
     return out
-trl_metrics.combine = spying
+metric_row.combine_parts = spying
 t = T.trainer(pathlib.Path(tempfile.mkdtemp()), "qwen3_moe", "old", learning_rate=0.5, max_steps=2)
 spy = T.run(t)
 equal = all(torch.equal(o[:, m], u[:, m]) for o, u, m in T.old_vs_loss(spy))

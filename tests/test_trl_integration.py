@@ -23,12 +23,13 @@ datasets = pytest.importorskip("datasets")
 
 from moe_lab.algos.ratio_metrics import policy_metrics, rollout_mismatch  # noqa: E402
 from moe_lab.config import from_dict, validate  # noqa: E402
-from moe_lab.integrations import trl_metrics  # noqa: E402
+from moe_lab.integrations import metric_row  # noqa: E402
 from moe_lab.integrations.trl import MoEGRPOConfig, MoEGRPOTrainer  # noqa: E402
 from moe_lab.models import build_model, moe_layers  # noqa: E402
 from moe_lab.rl.dp_split import reduction_of, reductions  # noqa: E402
 from moe_lab.routing import expert_change  # noqa: E402
 from moe_lab.tasks import get_task  # noqa: E402
+from trl_spy import match_rows  # noqa: E402  (rows matched by tokens, shared with the other TRL tests)
 
 TASKS = {n: get_task(validate(from_dict({"task": {"name": "sort", "length": n, "eval_size": 8}})).task) for n in (3, 4, 5)}
 TOKENIZER = TASKS[4].tokenizer
@@ -103,16 +104,6 @@ class Spy:
 
 def loss_calls(spy: Spy) -> list[dict]:
     return [c for c in spy.calls if c["grad"]]
-
-
-def match_rows(ids_BS: torch.Tensor, pool_BS: torch.Tensor) -> list[int]:
-    """For each row, a row of the pool with the same tokens (identical sequences route identically)."""
-    out = []
-    for row in ids_BS:
-        hits = (pool_BS[:, :row.shape[0]] == row).all(-1).nonzero()
-        assert len(hits), "a loss row is missing from the pool"
-        out.append(int(hits[0]))
-    return out
 
 
 def old_vs_loss(spy: Spy, kind: str = "used") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -237,7 +228,7 @@ def test_metric_functions_are_moe_labs():
     g = torch.Generator().manual_seed(0)
     new, old, roll = (torch.randn(3, 5, generator=g) for _ in range(3))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    ours = trl_metrics.ratio_part(new, old, mask)
+    ours = metric_row.ratio_part(new, old, mask)
     zeros = torch.zeros(3, 5, dtype=torch.bool)
     ref = policy_metrics(new - old, torch.exp(new - old), mask, clip_low=0.2, clip_high=0.2, clip_active_BT=zeros,
                          dual_active_BT=zeros, clamped_BT=zeros)
@@ -253,7 +244,7 @@ def test_metric_functions_are_moe_labs():
 def test_every_logged_metric_declares_its_reduction_across_ranks(tmp_path):
     t = trainer(tmp_path, "qwen3_moe", "rollout", max_steps=2, moe_decomp_every=1)
     t.train()
-    table = reductions()
+    table = {**reductions(), **metric_row.REDUCTIONS}  # the logged names: per-layer columns by decoder layer
     keys = {k for row in t.state.log_history for k in row if k.split("/")[0] in ("routing", "mismatch", "ratio")}
     assert {"routing/expert_change", "routing/expert_change_latent", "routing/router_shift", "routing/confidence",
             "ratio/token_var", "ratio/routing_share", "mismatch/k3", "mismatch/abs_diff", "mismatch/extreme_frac",
@@ -300,10 +291,15 @@ def test_bad_config_values_are_refused_in_one_line(tmp_path, field, value, allow
     assert field in str(err.value) and allowed in str(err.value) and "\n" not in str(err.value)
 
 
-def test_rollout_replay_with_vllm_is_refused_at_construction(tmp_path):
-    with pytest.raises(ValueError, match="routing_replay='rollout' needs use_vllm=False"):
-        MoEGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, routing_replay="rollout",
-                      use_vllm=True)
+def test_rollout_replay_with_vllm_without_routed_experts_is_refused_before_trl_builds(tmp_path):
+    """vLLM < 0.22 (here: none installed) returns no routed experts: refused in one line before TRL's __init__
+    (which would import vLLM and build the engine)."""
+    args = MoEGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, routing_replay="rollout",
+                         use_vllm=True)
+    with pytest.raises(ValueError, match=r"use_vllm=True needs vllm>=0.22 .*found none") as err:
+        MoEGRPOTrainer(model=tiny_model("qwen3_moe"), reward_funcs=reward, args=args, train_dataset=dataset(),
+                       processing_class=TOKENIZER)
+    assert "\n" not in str(err.value)
 
 
 def test_the_fields_reach_trls_command_line_parser(tmp_path):

@@ -33,7 +33,7 @@ def test_the_integration_without_trl_says_how_to_install_in_one_line():
     done = python(BLOCK, "import moe_lab.integrations.trl\n")
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and last.startswith("ImportError: ")
-    assert "pip install -e '.[trl]'" in last and "trl>=1.16,<1.17" in last and "not installed" in last
+    assert "pip install 'trl>=1.16,<1.17'" in last and "'moe_lab[trl]'" in last and "not installed" in last
 
 
 def test_the_integration_refuses_an_untested_trl_version():

@@ -15,7 +15,7 @@ import pytest
 
 from moe_lab.cli import main
 from moe_lab.config import apply_overrides, load_yaml
-from moe_lab.launch import verdicts, verify
+from moe_lab.audit import verdicts, verify
 from moe_lab.launch.runner import run_experiment
 from moe_lab.rl import cpuinfo
 from moe_lab.rl.runlog import machine_info

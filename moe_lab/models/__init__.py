@@ -19,7 +19,8 @@ from transformers import PreTrainedModel
 
 from moe_lab import constants as C
 from moe_lab.config import ModelConfig
-from moe_lab.models.families import FAMILIES, FamilySpec, family_of_model_type, family_of_router, get_family, hf_kwargs
+from moe_lab.models.families import (FAMILIES, REFUSED, FamilySpec, family_of_model_type, family_of_router, get_family,
+                                     hf_kwargs)
 
 EXPERTS_IMPLS = C.EXPERTS_KERNELS  # batched_mm is ~50x slower on CPU: refused
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -76,7 +77,10 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int = 0, bos
     return model.eval()
 
 
-def _checkpoint_family(path: Path) -> FamilySpec:
+def checkpoint_family(path: str | Path) -> FamilySpec:
+    """The family of a local checkpoint directory, read from its config.json alone (no weights loaded);
+    ValueError naming what was expected when it is none of the supported ones."""
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise ValueError(f"checkpoint={str(path)!r} does not exist or is not a directory")
     config_file = path / "config.json"
@@ -84,6 +88,9 @@ def _checkpoint_family(path: Path) -> FamilySpec:
         raise ValueError(f"checkpoint={str(path)!r} holds no config.json: not a transformers checkpoint")
     model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
     spec = family_of_model_type(model_type)
+    refused = REFUSED.get(str(model_type).removesuffix("_text"))
+    if spec is None and refused:
+        raise ValueError(f"checkpoint={str(path)!r} holds model_type={model_type!r}, which is refused: {refused}")
     if spec is None:
         raise ValueError(f"checkpoint={str(path)!r} holds model_type={model_type!r}, not a supported MoE family: "
                          f"allowed {', '.join(s.model_type for s in FAMILIES.values())}")
@@ -96,7 +103,7 @@ def load_model(path: str | Path, *, experts_impl: str = "grouped_mm",
     if experts_impl not in EXPERTS_IMPLS:
         raise ValueError(f"experts_impl={experts_impl!r} is not supported: allowed {', '.join(EXPERTS_IMPLS)}")
     path = Path(path).expanduser()
-    spec = _checkpoint_family(path)
+    spec = checkpoint_family(path)
     with _quiet_empty_init():
         model = spec.model_cls.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                attn_implementation=spec.attn_impl, experts_implementation=experts_impl)
@@ -117,6 +124,8 @@ def moe_layers(model: nn.Module) -> list[MoeLayer]:
         match = _LAYER_RE.search(name)
         if match is None:
             raise ValueError(f"router {name!r} is not inside a 'layers.<i>' module: cannot number its layer")
+        if spec.bind is not None:  # e.g. MiniMax-M2: the router's correction bias is its block's
+            spec.bind(model.get_submodule(name.rpartition(".")[0]), module)
         found.append(MoeLayer(int(match.group(1)), module, spec))
     if not found:
         routers = ", ".join(spec.router_cls.__name__ for spec in FAMILIES.values())
@@ -144,5 +153,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "load_model", "moe_layers", "position_ids_from_mask",
-           "resolve_device"]
+__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_family", "load_model", "moe_layers",
+           "position_ids_from_mask", "resolve_device"]

@@ -11,7 +11,9 @@ config from :class:`~moe_lab.config.ModelConfig`, which module class is its rout
   gathered from the dense logits/probabilities (never from top-k-zeroed ones, which would silently kill the
   router gradient of a replayed expert the router no longer picks).
 
-Adding a family = one ``FamilySpec`` entry in ``FAMILIES`` (+ its name in ``constants.FAMILIES``).
+Adding a family = one ``FamilySpec`` entry in ``FAMILIES`` (+ its name in ``constants.FAMILIES``). The six
+first families live here, those added since in ``families_2026`` (with ``REFUSED``: the families a router hook
+cannot serve, and why); ``FamilySpec`` and the choice rules in ``rules``.
 
 megablocks is not yet supported: its PyPI release is a CUDA-only build pinned to torch 2.7.0 and its fused
 MoE MLP bypasses the router module (the seam above), so it needs a GPU machine and its own entry (a router
@@ -20,12 +22,8 @@ class and select/gate_weights matching its kernel); replay() refuses any model w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GptOssConfig, GptOssForCausalLM, MixtralConfig,
                           MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, PretrainedConfig, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -37,152 +35,31 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from moe_lab.config import ModelConfig
+from moe_lab.models.families_2026 import NEW_FAMILIES, REFUSED
+from moe_lab.models.rules import (FamilySpec, deepseek_gate_weights, deepseek_groups, deepseek_select,  # noqa: F401
+                                  gpt_oss_gate_weights, gpt_oss_select, mixtral_gate_weights, mixtral_select,
+                                  norm_topk, qwen_gate_weights, qwen_select, shared_width, sigmoid_router_logp,
+                                  softmax_router_logp)
 
-Tensor = torch.Tensor
-
-
-def softmax_router_logp(logits_NE: Tensor) -> Tensor:
-    # log-softmax over all E experts in fp32: the distribution a softmax router samples its top-k from,
-    # also for gpt-oss (whose gate renormalises over the k chosen logits only).
-    return F.log_softmax(logits_NE.float(), dim=-1)
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    name: str
-    config_cls: type
-    model_cls: type
-    router_cls: type
-    tiny_config: Callable[[ModelConfig, dict], PretrainedConfig]  # (cfg, shared HF kwargs) -> HF config
-    select: Callable[[nn.Module, Tensor], tuple[Tensor, Tensor]]
-    gate_weights: Callable[[nn.Module, Tensor, Tensor], Tensor]
-    attn_impl: str = "sdpa"  # gpt_oss has attention sinks and no sdpa path
-    # logits_NE -> fp32 log-probabilities over ALL experts (RSPO's router shift; never feeds the forward)
-    router_logp: Callable[[Tensor], Tensor] = softmax_router_logp
-
-    @property
-    def model_type(self) -> str:
-        return self.config_cls.model_type
-
-
-# --------------------------------------------------------------------------- choice rules
-
-
-def _softmax_select(logits_NE: Tensor, k: int, norm: bool, cast_back: bool) -> tuple[Tensor, Tensor]:
-    # Same op order as Qwen2/3-MoE, OLMoE and Mixtral routers: softmax in fp32, top-k on probabilities.
-    probs_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float)
-    weights_NK, ids_NK = torch.topk(probs_NE, k, dim=-1)
-    if norm:
-        weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-    return (weights_NK.to(logits_NE.dtype) if cast_back else weights_NK), ids_NK
-
-
-def _softmax_gate(logits_NE: Tensor, ids_NK: Tensor, norm: bool, cast_back: bool) -> Tensor:
-    weights_NK = F.softmax(logits_NE, dim=-1, dtype=torch.float).gather(1, ids_NK)
-    if norm:
-        weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-    return weights_NK.to(logits_NE.dtype) if cast_back else weights_NK
-
-
-def qwen_select(router: nn.Module, logits_NE: Tensor) -> tuple[Tensor, Tensor]:
-    return _softmax_select(logits_NE, router.top_k, router.norm_topk_prob, cast_back=True)
-
-
-def qwen_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) -> Tensor:
-    return _softmax_gate(logits_NE, ids_NK.long(), router.norm_topk_prob, cast_back=True)
-
-
-def mixtral_select(router: nn.Module, logits_NE: Tensor) -> tuple[Tensor, Tensor]:
-    # Mixtral always renormalises and keeps the fp32 probabilities (no cast back).
-    return _softmax_select(logits_NE.float(), router.top_k, norm=True, cast_back=False)
-
-
-def mixtral_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) -> Tensor:
-    return _softmax_gate(logits_NE.float(), ids_NK.long(), norm=True, cast_back=False)
-
-
-def gpt_oss_select(router: nn.Module, logits_NE: Tensor) -> tuple[Tensor, Tensor]:
-    # gpt-oss: top-k on the raw logits, then a softmax over the k selected logits only.
-    top_NK, ids_NK = torch.topk(logits_NE, router.top_k, dim=-1)
-    return F.softmax(top_NK, dim=1, dtype=top_NK.dtype), ids_NK
-
-
-def gpt_oss_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) -> Tensor:
-    top_NK = logits_NE.gather(1, ids_NK.long())
-    return F.softmax(top_NK, dim=1, dtype=top_NK.dtype)
-
-
-def _deepseek_scale(router: nn.Module, weights_NK: Tensor) -> Tensor:
-    if router.norm_topk_prob:
-        weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights_NK * router.routed_scaling_factor
-
-
-def deepseek_select(router: nn.Module, logits_NE: Tensor) -> tuple[Tensor, Tensor]:
-    # Sigmoid scores; e_score_correction_bias shifts the CHOICE only (group-limited top-k), never the weights.
-    scores_NE = logits_NE.sigmoid()
-    choice_NE = scores_NE + router.e_score_correction_bias
-    G, E = router.num_group, router.num_experts
-    group_NG = choice_NE.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
-    group_ids = torch.topk(group_NG, k=router.topk_group, dim=-1, sorted=False)[1]
-    keep_NG = torch.zeros_like(group_NG).scatter_(1, group_ids, 1)
-    keep_NE = keep_NG.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-    choice_NE = choice_NE.masked_fill(~keep_NE.bool(), float("-inf"))
-    ids_NK = torch.topk(choice_NE, k=router.top_k, dim=-1, sorted=False)[1]
-    return _deepseek_scale(router, scores_NE.gather(1, ids_NK)), ids_NK
-
-
-def deepseek_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) -> Tensor:
-    return _deepseek_scale(router, logits_NE.sigmoid().gather(1, ids_NK.long()))
-
-
-def sigmoid_router_logp(logits_NE: Tensor) -> Tensor:
-    # DeepSeek-V3 scores experts with independent sigmoids (no softmax): their log, normalised over all E
-    # experts, log(s_e / sum_j s_j), is the distribution we compare. The choice-only correction bias is left
-    # out, like in the gate weights. logsigmoid keeps it finite for very negative logits.
-    logs_NE = F.logsigmoid(logits_NE.float())
-    return logs_NE - torch.logsumexp(logs_NE, dim=-1, keepdim=True)
-
-
-# --------------------------------------------------------------------------- tiny configs
-
-
-def _deepseek_groups(num_experts: int, top_k: int) -> tuple[int, int]:
-    """(n_group, topk_group): groups of >= 2 experts (the router sums each group's top-2), at most 4 groups,
-    and enough kept groups to hold top_k experts; half the groups kept so the group limit really bites."""
-    n_group = max(g for g in range(1, 5) if num_experts % g == 0 and num_experts // g >= 2)
-    per_group = num_experts // n_group
-    topk_group = min(n_group, max(-(-top_k // per_group), n_group // 2, 1))
-    return n_group, topk_group
-
-
-def _shared_width(cfg: ModelConfig, width: int) -> int:
-    # model.shared_expert=False: a width-0 shared expert. transformers builds the module unconditionally; with
-    # no hidden units its output is exactly 0 (an empty sum), in the forward, in save/load and on any device,
-    # so the block's output is the routed experts' alone. (qwen2_moe's sigmoid gate then multiplies 0.)
-    return width if cfg.shared_expert else 0
-
-
-def _norm_topk(cfg: ModelConfig, family_default: bool) -> bool:
-    return family_default if cfg.norm_topk_prob is None else cfg.norm_topk_prob
+_deepseek_groups = deepseek_groups  # the name tests/test_models.py imports
 
 
 def _qwen3(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     return Qwen3MoeConfig(**kw, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                          norm_topk_prob=_norm_topk(cfg, True), decoder_sparse_step=1, mlp_only_layers=[])
+                          norm_topk_prob=norm_topk(cfg, True), decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _qwen2(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     return Qwen2MoeConfig(**kw, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                          shared_expert_intermediate_size=_shared_width(cfg, cfg.intermediate_size),
-                          norm_topk_prob=_norm_topk(cfg, False),
+                          shared_expert_intermediate_size=shared_width(cfg, cfg.intermediate_size),
+                          norm_topk_prob=norm_topk(cfg, False),
                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _olmoe(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
     # OLMoE's experts read config.intermediate_size: that is the routed-expert width here.
     return OlmoeConfig(**{**kw, "intermediate_size": cfg.moe_intermediate_size}, num_experts=cfg.num_experts,
-                       norm_topk_prob=_norm_topk(cfg, False))
+                       norm_topk_prob=norm_topk(cfg, False))
 
 
 def _mixtral(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
@@ -191,18 +68,18 @@ def _mixtral(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
 
 
 def _deepseek(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
-    n_group, topk_group = _deepseek_groups(cfg.num_experts, cfg.top_k)
+    n_group, topk_group = deepseek_groups(cfg.num_experts, cfg.top_k)
     head_dim = cfg.hidden_size // cfg.num_heads
     rope_dim = max(2, head_dim // 2 // 2 * 2)  # rotary halves must be even
     # MLA has no grouped KV heads (keys/values are expanded per head): num_kv_heads does not apply.
     kw = {**kw, "num_key_value_heads": cfg.num_heads}
     return DeepseekV3Config(**kw, n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
-                            n_shared_experts=_shared_width(cfg, max(1, cfg.intermediate_size
+                            n_shared_experts=shared_width(cfg, max(1, cfg.intermediate_size
                                                                     // cfg.moe_intermediate_size)),
                             first_k_dense_replace=0, n_group=n_group, topk_group=topk_group,
                             q_lora_rank=max(8, cfg.hidden_size // 2), kv_lora_rank=max(8, cfg.hidden_size // 4),
                             qk_rope_head_dim=rope_dim, qk_nope_head_dim=max(2, head_dim - rope_dim),
-                            v_head_dim=head_dim, norm_topk_prob=_norm_topk(cfg, True))
+                            v_head_dim=head_dim, norm_topk_prob=norm_topk(cfg, True))
 
 
 def _gpt_oss(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
@@ -235,10 +112,13 @@ FAMILIES: dict[str, FamilySpec] = {
                               _deepseek, deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp),
     "gpt_oss": FamilySpec("gpt_oss", GptOssConfig, GptOssForCausalLM, GptOssTopKRouter, _gpt_oss,
                           gpt_oss_select, gpt_oss_gate_weights, attn_impl="eager"),
+    **NEW_FAMILIES,  # the families RL runs on since (moe_lab/models/families_2026.py)
 }
 
 
 def get_family(name: str) -> FamilySpec:
+    if name in REFUSED:
+        raise ValueError(f"family={name!r} is not supported: {REFUSED[name]}")
     if name not in FAMILIES:
         raise ValueError(f"family={name!r} is not supported: allowed {', '.join(FAMILIES)}")
     return FAMILIES[name]

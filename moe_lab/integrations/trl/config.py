@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_lab.integrations.trl_version import require_trl
+from moe_lab.integrations.trl.version import require_trl
 
 require_trl()
 
@@ -24,8 +24,14 @@ class MoEGRPOConfig(GRPOConfig):
                 "only), 'old' (R2: every loss forward uses the experts of TRL's old-policy pass; acts only when TRL "
                 "computes old log-probs, i.e. off-policy: gradient_accumulation_steps not a multiple of "
                 "steps_per_generation * num_iterations), 'rollout' (R3: the old pass and every loss forward use the "
-                "experts recorded during generation; needs use_vllm=False).",
+                "experts recorded during generation; with use_vllm=True needs vLLM >= 0.22 in colocate mode, which "
+                "returns them).",
         "choices": list(REPLAY_MODES)})
+    routing_replay_weights: bool = field(default=False, metadata={
+        "help": "With routing_replay 'old' or 'rollout': replay the recorded combine (gate) weights too, not only "
+                "the expert ids (moe_lab's rl.replay_gate_weights; prime-rl's Total Router Recall). The combine then "
+                "holds constants: the policy loss sends the router no gradient (only TRL's balancing loss does, "
+                "when on)."})
     moe_metrics: bool = field(default=True, metadata={
         "help": "Log moe_lab's routing and mismatch metrics (routing/*, mismatch/*, ratio/token_var; "
                 "docs/metrics.md) in TRL's logs. False: only the routing replay needs runs."})
@@ -42,12 +48,12 @@ class MoEGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.routing_replay not in REPLAY_MODES:
             raise ValueError(f"routing_replay={self.routing_replay!r}: allowed {', '.join(REPLAY_MODES)}")
-        for name in ("moe_metrics", "moe_position_ids"):
+        for name in ("moe_metrics", "moe_position_ids", "routing_replay_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: allowed True or False")
         every = self.moe_decomp_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"moe_decomp_every={every!r}: allowed an integer >= 0 (0 = never)")
-        if self.routing_replay == "rollout" and self.use_vllm:
-            raise ValueError("routing_replay='rollout' needs use_vllm=False: TRL's vLLM generation returns no routed "
-                             "experts; allowed with vLLM: routing_replay='none' or 'old'")
+        if self.routing_replay_weights and self.routing_replay == "none":
+            raise ValueError("routing_replay_weights=True replays recorded weights, so it needs routing_replay "
+                             "'old' or 'rollout'; allowed with routing_replay='none': False")

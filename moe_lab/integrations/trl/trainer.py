@@ -1,43 +1,49 @@
 """MoEGRPOTrainer: TRL's GRPOTrainer with moe_lab's Routing Replay (R2/R3) and routing metrics.
 
-Four of TRL's hooks are overridden, each calling TRL's own code (trl 1.16):
-- ``_generate_single_turn`` (HF generate): routing recorded during generation (R3's trace), with the sampled
-  tokens' log-probs when metrics are on;
+TRL's hooks overridden, each calling TRL's own code (trl 1.16):
+- ``_generate_single_turn``: routing recorded during HF generate (R3's trace, with the combine weights under
+  ``routing_replay_weights``, the router's log-probs and the sampled tokens' log-probs when metrics are on), or
+  read from the colocated vLLM engine's routed experts (``trl/vllm.py``);
 - ``_get_per_token_logps_and_entropies``: position ids from the attention mask in every training forward; in
   TRL's old-policy pass, one record() (R3: replay() of the rollout's routing) per model call (TRL's chunks);
 - ``_generate_and_score_completions``: the traces join the batch dict batch-first (TRL's shuffle/split keep
   them on their rows);
 - ``_prepare_inputs`` + ``training_step``: the loss forward AND its backward run inside one replay() (or
-  record()) of the batch's routing, so gradient checkpointing's recompute routes as the forward did; metrics
-  follow the backward. The routing state is one explicit object per trainer (``MoEState``).
+  record()) of the batch's routing, so gradient checkpointing's recompute routes as the forward did;
+- ``log``: the metric parts of every microbatch since the last log, combined over microbatches and ranks.
+Every hook sits on the model generation and the forwards actually call (a PEFT model's base model). The
+routing state is one explicit object per trainer (``MoEState``).
 """
 
 from __future__ import annotations
 
-import warnings
 from contextlib import ExitStack
 
 import torch
 
-# first: trl_config checks TRL's version (one-line ImportError) before anything below imports trl
-from moe_lab.integrations.trl_config import MoEGRPOConfig  # isort: skip
-from moe_lab.algos.ratio_metrics import ratio_decomposition
-from moe_lab.integrations import trl_metrics as M
-from moe_lab.integrations.trl_routing import (RolloutLogp, fit_columns, fit_width, position_ids, response_mask_BS,
-                                              routing_run, to_batch, to_trace)
-from moe_lab.integrations.trl_state import LossScope, MoEState, join_chunks, old_reference
-from moe_lab.models import moe_layers
-from moe_lab.routing import record, router_logp_probe
+# first: config checks TRL's version (one-line ImportError) before anything below imports trl
+from moe_lab.integrations.trl.config import MoEGRPOConfig  # isort: skip
+import trl.generation.vllm_generation as trl_vllm
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+
+from moe_lab.algos.ratio_metrics import ratio_decomposition
+from moe_lab.integrations import metric_row as M
+from moe_lab.integrations.batch_routing import (RolloutLogp, position_ids, response_mask_BS, routing_run, to_batch,
+                                                to_trace)
+from moe_lab.integrations.trl import checks, vllm
+from moe_lab.integrations.trl.state import LossScope, MoEState, Rollout, join_chunks, old_reference
+from moe_lab.models import moe_layers
+from moe_lab.routing import record, router_logp_probe
 
 TRL_TEXT_ONLY = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                  "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
 
 
 class MoEGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer, used the same way, for transformers MoE models of moe_lab's families; ``args`` is a
-    MoEGRPOConfig (``routing_replay``, ``moe_metrics``, ``moe_decomp_every``, ``moe_position_ids``)."""
+    """GRPOTrainer, used the same way, for transformers MoE models of moe_lab's families (PEFT-wrapped too);
+    ``args`` is a MoEGRPOConfig (``routing_replay``, ``routing_replay_weights``, ``moe_metrics``,
+    ``moe_decomp_every``, ``moe_position_ids``)."""
 
     def __init__(self, model, reward_funcs, args: MoEGRPOConfig | None = None, *rest, **kwargs):
         if args is None:
@@ -46,13 +52,25 @@ class MoEGRPOTrainer(GRPOTrainer):
         if not isinstance(args, MoEGRPOConfig):
             raise ValueError(f"args: expected a MoEGRPOConfig (GRPOConfig plus routing_replay, moe_metrics), got "
                              f"{type(args).__name__}")
-        super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        layers = moe_layers(self.model)  # a model with no router of a supported family is refused here
+        checks.check_model(model)  # before TRL builds a reference model, an engine or optimizer state
+        vllm.check_rollout_with_vllm(args)
+        engine = vllm.EngineOutputs()
+        with vllm.routed_llm(trl_vllm, engine, vllm.wants_routes(args)):
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        layers = moe_layers(self._moe_net)
         self._moe_like = {"E": layers[0].router.num_experts, "family": layers[0].family.name}
-        self._moe = MoEState()
-        self._moe_check_setup()
+        self._moe_layer_idx = [layer.layer_idx for layer in layers]
+        self._moe, self._moe_engine = MoEState(), engine
+        self._moe_row = M.MetricRow(self._moe_layer_idx)
+        checks.check_setup(self)
+        checks.say_balancing_loss(self)
 
     # ------------------------------------------------------------------------------------------- setup
+
+    @property
+    def _moe_net(self):
+        """The model every routing hook sits on: what generate() and TRL's forwards actually call."""
+        return checks.base_model(self.accelerator.unwrap_model(self.model))
 
     def _moe_on_policy(self) -> bool:
         """TRL's own condition for skipping the old pass: then old log-probs = the loss's, detached (ratio 1)."""
@@ -60,45 +78,34 @@ class MoEGRPOTrainer(GRPOTrainer):
         return self.args.gradient_accumulation_steps % every == 0 and not (
             self.use_vllm and self.vllm_importance_sampling_correction)
 
-    def _moe_check_setup(self) -> None:
-        mode = self.args.routing_replay
-        if mode == "rollout" and (self.use_vllm or self.rollout_func is not None
-                                  or self.use_transformers_continuous_batching or self.tools):
-            raise ValueError("routing_replay='rollout' needs TRL's single-turn HF generate path (no vLLM, no "
-                             "rollout_func, no tools, no continuous batching); allowed there: routing_replay='none' or "
-                             "'old'")
-        if self.beta != 0.0 and self.ref_model is None:
-            raise ValueError("MoEGRPOTrainer: beta != 0 with a PEFT model scores the reference by calling the policy "
-                             "with its adapter disabled, a second policy call the routing hooks would take for the old "
-                             "pass; allowed: beta=0, or a model without PEFT (TRL then keeps a separate reference)")
-        if mode == "old" and self._moe_on_policy():
-            warnings.warn("routing_replay='old' (R2) cannot act: this run is on-policy (gradient_accumulation_steps "
-                          f"{self.args.gradient_accumulation_steps} is a multiple of steps_per_generation * "
-                          f"num_iterations = {self.args.steps_per_generation * self.num_iterations}), so TRL runs no "
-                          "old-policy pass and every ratio is 1; routing is only recorded", stacklevel=3)
-
     def _moe_is_policy(self, model) -> bool:
         return model is self.model or model is self.model_wrapped or self.accelerator.unwrap_model(model) is self.model
 
     def _moe_records_rollout(self) -> bool:
         # with tools TRL generates again after each tool call: one trace would not cover the final sequences
-        return (self.model.training and not self.use_vllm and not self.use_transformers_continuous_batching
-                and not self.tools and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
+        return (self.model.training and not self.use_transformers_continuous_batching and not self.tools
+                and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
 
     # ------------------------------------------------------------------------------------------- generation
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not self._moe_records_rollout():
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
-        logp = RolloutLogp(self.temperature) if self.args.moe_metrics else None
+        call = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if not self._moe_records_rollout() or (self.use_vllm and not vllm.wants_routes(self.args)):
+            return super()._generate_single_turn(*call)
+        if self.use_vllm:
+            out = super()._generate_single_turn(*call)
+            self._moe.rollout = vllm.engine_rollout(self._moe_engine.outputs, self._moe_net.config,
+                                                    self._moe_layer_idx, self._moe_like["E"],
+                                                    strict=self.args.routing_replay == "rollout")
+            return out
+        metrics, net = self.args.moe_metrics, self._moe_net
+        logp = RolloutLogp(self.temperature) if metrics else None
         with ExitStack() as stack:
-            trace = stack.enter_context(record(self.model, weights=False))
+            trace = stack.enter_context(record(net, weights=self.args.routing_replay_weights, router_logp=metrics))
             if logp is not None:
-                stack.callback(self.model.register_forward_hook(logp.hook, with_kwargs=True).remove)
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                                     num_generations, has_tool_images)
-        self._moe.rollout = (trace, None if logp is None else logp.finish(completion_ids))
+                stack.callback(net.register_forward_hook(logp.hook, with_kwargs=True).remove)
+            completion_ids, logprobs = super()._generate_single_turn(*call)
+        self._moe.rollout = Rollout(trace=trace, logp_BC=None if logp is None else logp.finish(completion_ids))
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
@@ -118,10 +125,7 @@ class MoEGRPOTrainer(GRPOTrainer):
         state, out = self._moe, {}
         rollout, state.rollout = state.rollout, None
         if rollout is not None:
-            trace, logp_BC = rollout
-            out["moe_rollout_ids"] = fit_columns(to_batch(trace.indices), P + C)
-            if logp_BC is not None:
-                out["moe_rollout_logp"] = fit_width(logp_BC.to(out["moe_rollout_ids"].device), C)
+            out.update(rollout.batch(P, C, self.args.routing_replay_weights))
         if state.old_runs:
             out.update(join_chunks(state.old_runs))
             state.old_runs = []
@@ -132,13 +136,15 @@ class MoEGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):
         state, policy = self._moe, self._moe_is_policy(model)
-        with position_ids(self.accelerator.unwrap_model(model), self.args.moe_position_ids):
+        net = checks.base_model(self.accelerator.unwrap_model(model))
+        with position_ids(net, self.args.moe_position_ids):
             if state.phase == "old" and policy:
                 return self._moe_old_pass(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                              batch_size, **kwargs)
         if state.loss is not None and policy and torch.is_grad_enabled():
             state.loss.logp_BC = out[0].detach()
+            state.loss.aux_loss = None if out[2] is None else float(out[2].detach())
         return out
 
     def _moe_old_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs):
@@ -147,14 +153,17 @@ class MoEGRPOTrainer(GRPOTrainer):
         extra = [k for k in TRL_TEXT_ONLY if kwargs.get(k) is not None]
         if extra:
             raise ValueError(f"MoEGRPOTrainer: text models only; this batch carries {extra}")
-        forced_BLSK = None
+        weights, forced_batch = self.args.routing_replay_weights, None
         if self.args.routing_replay == "rollout":
-            forced_BLSK = fit_columns(to_batch(self._moe.rollout[0].indices), input_ids.size(1))
+            S = input_ids.size(1)
+            forced_batch = self._moe.rollout.batch(S - logits_to_keep, logits_to_keep, weights)
         step, parts = batch_size or input_ids.size(0), []
         for start in range(0, input_ids.size(0), step):
             rows = slice(start, start + step)
-            forced = None if forced_BLSK is None else to_trace(forced_BLSK[rows], self._moe_like)
-            with routing_run(self.model, forced, router_logp=True) as run:
+            forced = None if forced_batch is None else to_trace(
+                forced_batch["moe_rollout_ids"][rows], self._moe_like,
+                weights_BLSK=forced_batch["moe_rollout_weights"][rows] if weights else None)
+            with routing_run(self._moe_net, forced, router_logp=True, weights=weights) as run:
                 parts.append(super()._get_per_token_logps_and_entropies(
                     model, input_ids[rows], attention_mask[rows], logits_to_keep, None, **kwargs))
             self._moe.old_runs.append(run)
@@ -175,7 +184,7 @@ class MoEGRPOTrainer(GRPOTrainer):
                 state.stack = None
         scope, state.loss = state.loss, None  # the replay context has exited: backward ran inside it
         if scope is not None and self.args.moe_metrics:
-            self._moe_log(model, scope)
+            self._moe_measure(model, scope)
         return loss
 
     def _prepare_inputs(self, generation_batch):
@@ -190,21 +199,20 @@ class MoEGRPOTrainer(GRPOTrainer):
         mode, metrics = self.args.routing_replay, self.args.moe_metrics
         ref = old_reference(inputs, mode, self._moe_like)
         forced = ref if mode != "none" else None
-        run = stack.enter_context(routing_run(self.model, forced, router_logp=metrics))
+        weights = self.args.routing_replay_weights and forced is not None
+        run = stack.enter_context(routing_run(self._moe_net, forced, router_logp=metrics, weights=weights))
         probe = None
         if metrics and forced is None and ref is not None and ref.router_logp_LBTK is not None:
-            probe = stack.enter_context(router_logp_probe(self.model, ref.indices))
+            probe = stack.enter_context(router_logp_probe(self._moe_net, ref.indices))
         return LossScope(inputs, ref, forced, run, probe)
 
     # ------------------------------------------------------------------------------------------- metrics
 
-    def _moe_log(self, model, scope: LossScope) -> None:
-        """moe_lab's metrics of this loss step into TRL's ``_metrics`` (-> log_history, TensorBoard, W&B),
-        reduced across ranks as moe_lab declares each one."""
+    def _moe_measure(self, model, scope: LossScope) -> None:
+        """moe_lab's metrics of this loss step, kept with its sequence and token counts until the next log."""
         inputs, run = scope.inputs, scope.run
-        P = inputs["prompt_ids"].size(1)
         mask_BC = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        mask_BS = response_mask_BS(mask_BC, P)
+        mask_BS = response_mask_BS(mask_BC, inputs["prompt_ids"].size(1))
         logp_BC = scope.logp_BC
         logp_old_BC = inputs.get("old_per_token_logps", logp_BC)
         # On-policy TRL runs no old pass: the loss forward is the old policy itself, so it is its own reference
@@ -222,9 +230,17 @@ class MoEGRPOTrainer(GRPOTrainer):
                    **M.mismatch_part(None if rollout is None else to_trace(rollout, self._moe_like), free_ref,
                                      mask_BS, self._moe_rollout_logp(inputs), logp_old_BC, mask_BC),
                    **self._moe_decomposition(model, scope, logp_old_BC, mask_BC)}
-        n_tok = int(mask_BC.sum())
-        for key, value in M.combine(self._moe_gather, metrics, mask_BC.size(0), n_tok).items():
-            self._metrics["train"][key].append(value)
+        if scope.aux_loss is not None:
+            metrics["routing/aux_loss"] = scope.aux_loss
+        self._moe_row.add(metrics, mask_BC.size(0), int(mask_BC.sum()))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's log, with moe_lab's columns of every loss step since the last log combined across microbatches
+        and ranks by their token (or sequence) counts as each metric declares, not TRL's unweighted mean."""
+        if self.model.training and self.args.moe_metrics:
+            for key, value in self._moe_row.take(self._moe_gather).items():
+                self._metrics["train"][key] = [value]
+        super().log(logs, start_time)
 
     @staticmethod
     def _moe_rollout_logp(inputs: dict):
@@ -252,7 +268,7 @@ class MoEGRPOTrainer(GRPOTrainer):
         # fork_rng: dropout draws of this extra forward stay out of the training streams
         with torch.no_grad(), torch.random.fork_rng(devices=[]), \
                 disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
-                routing_run(self.model, other):
+                routing_run(self._moe_net, other):
             other_BC = self._get_per_token_logps_and_entropies(model, ids, attn, inputs["completion_ids"].size(1))[0]
         free_BC, ref_BC = (scope.logp_BC, other_BC) if scope.forced is None else (other_BC, scope.logp_BC)
         return ratio_decomposition(free_BC, ref_BC, logp_old_BC, mask_BC, self.epsilon_low, self.epsilon_high)

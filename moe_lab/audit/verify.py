@@ -34,7 +34,7 @@ import pandas as pd
 
 from moe_lab.config import ConfigError, from_dict, load_yaml, set_dotted, upgrade_run_config, validate
 from moe_lab.constants import MACHINE_ENV
-from moe_lab.launch import verdicts
+from moe_lab.audit import verdicts
 from moe_lab.rl.runlog import FINISHED, read_json, run_status
 
 DEFAULT_CELLS = 2

@@ -1,8 +1,8 @@
-"""Routing data of TRL's batches: traces carried batch-first, the columns TRL's forwards cover, position ids.
+"""Routing data of a trainer's batches: traces carried batch-first, the columns its forwards cover, position ids.
 
-TRL's ``_prepare_inputs`` shuffles and splits every tensor of the batch dict along dim 0, so the routing rides
-in that dict as ``ids_BLSK`` (rows first) and stays aligned with its rows; a ``Trace`` (``ids_LBSK``) is rebuilt
-for each forward. Pure tensor code: nothing here imports TRL.
+Not TRL-specific (any trainer integration can use it): trainers such as TRL's shuffle and split every tensor of
+the batch dict along dim 0, so the routing rides in that dict as ``ids_BLSK`` (rows first) and stays aligned
+with its rows; a ``Trace`` (``ids_LBSK``) is rebuilt for each forward. Pure tensor code: imports no trainer.
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ def to_batch(ids_LBSK: Tensor) -> Tensor:
     return ids_LBSK.transpose(0, 1).contiguous()
 
 
-def to_trace(ids_BLSK: Tensor, like: Trace | dict, router_logp_BLSK: Tensor | None = None) -> Trace:
-    """A Trace of batch-first ids (and router log-probs); ``like`` gives num_experts and family."""
+def to_trace(ids_BLSK: Tensor, like: Trace | dict, router_logp_BLSK: Tensor | None = None,
+             weights_BLSK: Tensor | None = None) -> Trace:
+    """A Trace of batch-first ids (and router log-probs, combine weights); ``like`` gives num_experts and family."""
     num_experts, family = (like.num_experts, like.family) if isinstance(like, Trace) else (like["E"], like["family"])
     logp = None if router_logp_BLSK is None else router_logp_BLSK.transpose(0, 1).contiguous()
-    return Trace(ids_BLSK.transpose(0, 1).contiguous(), num_experts=num_experts, family=family, router_logp=logp)
+    weights = None if weights_BLSK is None else weights_BLSK.transpose(0, 1).contiguous()
+    return Trace(ids_BLSK.transpose(0, 1).contiguous(), weights, num_experts=num_experts, family=family,
+                 router_logp=logp)
 
 
 def fit_columns(ids_XLSK: Tensor, seq_len: int) -> Tensor:
@@ -42,9 +45,30 @@ def fit_columns(ids_XLSK: Tensor, seq_len: int) -> Tensor:
     if have >= seq_len:
         return ids_XLSK[:, :, :seq_len].contiguous()
     k = ids_XLSK.shape[-1]
-    filler = torch.arange(k, dtype=ids_XLSK.dtype, device=ids_XLSK.device)
+    if ids_XLSK.is_floating_point():  # combine weights: the filler column carries 1/k each (masked anyway)
+        filler = torch.full((k,), 1.0 / k, dtype=ids_XLSK.dtype, device=ids_XLSK.device)
+    else:
+        filler = torch.arange(k, dtype=ids_XLSK.dtype, device=ids_XLSK.device)
     pad = filler.expand(ids_XLSK.shape[0], ids_XLSK.shape[1], seq_len - have, k)
     return torch.cat([ids_XLSK, pad], dim=2)
+
+
+def place_rows(rows: list[Tensor], prompt_lens: list[int], prompt_width: int, seq_len: int,
+               dtype: torch.dtype) -> Tensor:
+    """(B, L, seq_len, K) from per-sequence routes (L, n_i, K) of UNPADDED sequences (an engine such as vLLM
+    returns one array per request): row i's position t lands in column prompt_width - prompt_lens[i] + t, as the
+    batch left-pads prompts to prompt_width and right-pads completions. Pad columns get the filler ids 0..k-1
+    (ids) or 1/k (weights): never scored, masked everywhere."""
+    L, _, K = rows[0].shape
+    if dtype.is_floating_point:
+        out = torch.full((len(rows), L, seq_len, K), 1.0 / K, dtype=dtype)
+    else:
+        out = torch.arange(K, dtype=dtype).expand(len(rows), L, seq_len, K).clone()
+    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
+        start = prompt_width - p
+        n = min(row.shape[1], seq_len - start)
+        out[i, :, start:start + n] = row[:, :n].to(dtype)
+    return out
 
 
 def fit_width(x_BC: Tensor, width: int) -> Tensor:
@@ -103,14 +127,16 @@ class RoutingRun:
 
 
 @contextmanager
-def routing_run(model: nn.Module, forced: Trace | None, router_logp: bool = False) -> Iterator[RoutingRun]:
+def routing_run(model: nn.Module, forced: Trace | None, router_logp: bool = False,
+                weights: bool = False) -> Iterator[RoutingRun]:
     """moe_lab's record() (forced None) or replay(forced) around ONE model call (and its backward, whose
-    checkpointing recompute reuses the call's routing)."""
+    checkpointing recompute reuses the call's routing). ``weights``: record the combine weights too, and under
+    replay force the trace's recorded weights as well (moe_lab's ``rl.replay_gate_weights``)."""
     if forced is None:
-        with record(model, weights=False, router_logp=router_logp) as trace:
+        with record(model, weights=weights, router_logp=router_logp) as trace:
             yield RoutingRun(recorded=trace, router_logp=router_logp)
     else:
-        with replay(model, forced, router_logp=router_logp) as handle:
+        with replay(model, forced, router_logp=router_logp, weights=weights) as handle:
             yield RoutingRun(handle=handle, router_logp=router_logp)
 
 

@@ -1,0 +1,168 @@
+"""`moe-lab check-trace FILE --model DIR [--format auto|...]`: do a dump's R3 routes line up with this model?
+
+FILE: a JSONL dump (one sequence a line: prompt_ids, completion_ids, routed_experts in any layout of
+moe_lab.formats, detected or named with --format) or a moe_lab trace file; DIR: a transformers checkpoint of
+a family moe_lab serves. The model runs teacher-forced on each sequence with its routing recorded; the report
+gives, per MoE layer and overall, the fraction of routed slots whose expert set equals the model's own
+choice, the missing fraction, ids out of range, duplicate ids, the router margins where they disagree, the
+engine/trainer log-prob mismatch when FILE carries the engine's log-probs, and each diagnosed fault in one
+line (``fault: <name>: ...``). Then it replays the routes (R3) and checks that the experts actually run equal
+the trace's on every covered slot. The last line is ``agreement <fraction>`` (docs/traces.md).
+
+Exit codes: 0 no fault; 1 some fault; 2 bad input (one line on stderr, before any model is loaded where the
+input alone shows it: a missing file or folder, a file that is none of the layouts, a shape that fits no
+layer numbering of the model, an unsupported family).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from moe_lab.formats.names import FORMATS  # torch-free: the parser is built for every command
+
+    p = sub.add_parser("check-trace", help="do the routed experts of a rollout dump (vLLM, SGLang, NeMo-RL, prime-rl, "
+                                           "verl, slime) line up with a checkpoint? agreement, faults, replay check "
+                                           "(docs/traces.md)")
+    p.add_argument("file", metavar="FILE", help="JSONL dump (prompt_ids, completion_ids, routed_experts a line) or "
+                                                "a moe_lab trace file (.safetensors)")
+    p.add_argument("--model", required=True, metavar="DIR", help="transformers checkpoint folder (config.json)")
+    p.add_argument("--format", default="auto", choices=FORMATS, help="layout of FILE (default: detected)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
+    return p
+
+
+def read_config(model_dir: str) -> dict:
+    """The checkpoint's config.json, checked to be a family moe_lab serves, without loading any weights."""
+    from moe_lab.formats.layers import moe_layer_indices
+    from moe_lab.models.families import FAMILIES, family_of_model_type
+
+    path = Path(model_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model={model_dir}: no config.json there (expected a transformers checkpoint folder)")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model={model_dir}: config.json is not JSON ({exc.msg})") from None
+    if family_of_model_type(config.get("model_type")) is None:
+        raise ValueError(f"--model={model_dir}: model_type={config.get('model_type')!r} is not a family moe_lab "
+                         f"serves; allowed {', '.join(s.model_type for s in FAMILIES.values())}")
+    moe_layer_indices(config)  # a config without the fields the layer rule needs is refused here
+    return config
+
+
+def _check_inputs(sequences: list, config: dict) -> None:
+    for seq in sequences:
+        if seq.num_tokens < 2:
+            raise ValueError(f"{seq.where}: {seq.num_tokens} tokens; a check needs at least 2")
+        if (seq.tokens < 0).any() or (seq.tokens >= int(config.get("vocab_size", 1 << 62))).any():
+            raise ValueError(f"{seq.where}: token ids out of range for vocab_size={config.get('vocab_size')}")
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device={name}: not a device; allowed cpu, cuda, cuda:N, auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={name}: torch sees no CUDA device here; allowed cpu, auto")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device={name}: allowed cpu, cuda, cuda:N, auto")
+    return dev
+
+
+def _load(model_dir: str, device, dtype: str):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from moe_lab.models import load_model
+
+    hf_logging.disable_progress_bar()  # one bar per load: noise in a report meant to be read or parsed
+    return load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
+
+
+def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[list[str], list[tuple[str, str]], float]:
+    """(report lines, faults, overall agreement) for sequences already read."""
+    from moe_lab.audit import trace_report as rep
+    from moe_lab.audit.trace_run import forced_trace, free_pass, replay_pass
+    from moe_lab.formats.layers import moe_layer_indices, num_experts
+    from moe_lab.models import moe_layers
+
+    E, family, names = num_experts(config), moe_layers(model)[0].family.name, moe_layer_indices(config)
+    built = [layer.layer_idx for layer in moe_layers(model)]
+    if built != names:  # the layer rule and the modelling code must agree, or every mapping above is wrong
+        raise ValueError(f"--model: the config's MoE layers {names} (moe_lab.formats.layers) are not the layers "
+                         f"whose routers the model built, {built}: the layer rule of this model_type needs fixing")
+    checked = [rep.Checked(s, free_pass(model, s.tokens, device)) for s in sequences]
+    t = rep.tally(checked, E)
+    lines = [f"layer {names[l]} (MoE {l}): agreement {_frac(t.agree_L[l], t.usable_L[l])} "
+             f"({int(t.usable_L[l])} slots)" for l in range(len(names))]
+    lines += _summary_lines(t, len(sequences))
+    faults = rep.coverage_faults(checked, names)
+    if t.out_of_range:
+        faults.append(("out-of-range", f"{t.out_of_range} slots hold expert ids outside 0..{E - 1}"))
+    if t.duplicates:
+        faults.append(("duplicate-ids", f"{t.duplicates} slots repeat an expert within one token's top-k"))
+    if not int(t.usable_L.sum()):
+        faults.append(("no-routes", "no (layer, position) slot of any sequence carries a usable route"))
+    shifts = rep.shift_faults(checked, E, t.agreement)
+    faults += shifts
+    if not shifts and t.agreement < rep.LOW_AGREEMENT:
+        faults.append(("low-agreement", f"only {t.agreement:.4f} of the routed slots match the model's own choice "
+                                        "and no shift explains it: another checkpoint, or other tokens?"))
+    for c in checked:
+        c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device)
+    replay_line, fault = rep.replay_fault(checked, E)
+    lines += rep.mismatch_lines(checked) + [replay_line]
+    return lines, faults + ([fault] if fault else []), t.agreement
+
+
+def _frac(num, den) -> str:
+    return f"{float(num) / float(den):.4f}" if int(den) else "n/a"
+
+
+def _summary_lines(t, n_seq: int) -> list[str]:
+    import torch
+
+    margins = torch.cat(t.margins) if t.margins else torch.empty(0)
+    margin = ("none (no disagreement)" if margins.numel() == 0 else
+              f"{margins.min():.4g} .. {margins.max():.4g} (median {margins.median():.4g}; router log-prob of its "
+              "k-th choice minus its (k+1)-th: small = a near tie, rounding; large = not the same routing)")
+    return [f"missing {_frac(t.missing, t.expected)} ({t.missing} of {t.expected} (layer, position) slots a "
+            "complete trace covers)",
+            f"last position not covered: {t.last_uncovered} of {n_seq} sequences (accepted: the last sampled token "
+            "is never fed to the engine)",
+            f"out-of-range ids {t.out_of_range}", f"duplicate ids {t.duplicates}",
+            f"router margin where they disagree: {margin}"]
+
+
+def main(args) -> int:
+    from moe_lab.formats.jsonl import read_input
+
+    config = read_config(args.model)
+    device = _device(args.device)
+    if not Path(args.file).is_file():
+        raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
+    sequences = read_input(args.file, config, args.format)
+    _check_inputs(sequences, config)
+    model = _load(args.model, device, args.dtype)
+    kind = sequences[0].routes
+    print(f"check-trace: {args.file}: {len(sequences)} sequences, layout {kind.layout}, layer axis {kind.layer_kind}")
+    lines, faults, agreement = run_check(sequences, model, config, device)
+    for line in lines:
+        print(line)
+    for name, detail in faults:
+        print(f"fault: {name}: {detail}")
+    print(f"agreement {agreement:.4f}" if agreement == agreement else "agreement n/a")
+    return 1 if faults else 0

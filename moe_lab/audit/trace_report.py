@@ -1,0 +1,254 @@
+"""What `moe-lab check-trace` measures and diagnoses, from the imported routes and the model's own passes.
+
+Agreement: over the slots (MoE layer, position) where the trace carries a usable route (present, ids in
+range, none repeated), the fraction whose SET of top-k ids equals the model's own choice on the same tokens.
+Positions a trace need not cover are left out of "missing": those before a declared start
+(SGLang's routed_experts_start_len, prime-rl's start) and the last position (the last sampled token is never
+fed to the engine; it is reported, not counted). Each known fault is diagnosed by name (``FAULTS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lab.audit.trace_run import FreePass, ReplayPass, usable_LS
+from moe_lab.formats.routes import RoutedSequence
+
+Tensor = torch.Tensor
+SHIFTS = (-2, -1, 1, 2)
+# A shift explains the trace when it agrees far better than the identity: random routing agrees ~k/E.
+SHIFT_MIN, SHIFT_GAIN, LOW_AGREEMENT = 0.5, 0.25, 0.5
+FAULTS = ("trace-too-long", "trace-too-short", "missing-layer", "missing-positions", "zeroed-rows",
+          "missing-routes", "out-of-range", "duplicate-ids", "dense-rows-carry-ids", "layer-shift",
+          "position-shift", "completion-only", "no-routes", "low-agreement", "replay-no-effect")
+
+
+@dataclass
+class Checked:
+    """One sequence with the model's passes over it."""
+
+    seq: RoutedSequence
+    free: FreePass
+    replayed: ReplayPass | None = None
+
+
+@dataclass
+class Tally:
+    """Sums over sequences (per MoE layer where it says _L)."""
+
+    agree_L: Tensor
+    usable_L: Tensor
+    expected: int = 0
+    missing: int = 0
+    last_uncovered: int = 0
+    out_of_range: int = 0
+    duplicates: int = 0
+    margins: list[Tensor] = field(default_factory=list)
+
+    @property
+    def agreement(self) -> float:
+        total = int(self.usable_L.sum())
+        return float(self.agree_L.sum()) / total if total else float("nan")
+
+
+def set_equal_LS(a_LSK: Tensor, b_LSK: Tensor) -> Tensor:
+    return (a_LSK.sort(-1).values == b_LSK.sort(-1).values).all(-1)
+
+
+def duplicate_LS(ids_LSK: Tensor) -> Tensor:
+    srt = ids_LSK.sort(-1).values
+    return (srt[..., 1:] == srt[..., :-1]).any(-1)
+
+
+def expected_LS(seq: RoutedSequence) -> Tensor:
+    """Slots a complete trace covers: positions [start, S - 1) of every MoE layer."""
+    r = seq.routes
+    exp = torch.zeros_like(r.mask_LS)
+    exp[:, r.start: max(r.start, seq.num_tokens - 1)] = True
+    return exp
+
+
+def tally(checked: list[Checked], num_experts: int) -> Tally:
+    L = checked[0].seq.routes.num_layers
+    t = Tally(torch.zeros(L, dtype=torch.long), torch.zeros(L, dtype=torch.long))
+    for c in checked:
+        r = c.seq.routes
+        use = usable_LS(r.ids_LSK, r.mask_LS, num_experts)
+        same = set_equal_LS(r.ids_LSK, c.free.ids_LSK) & use
+        t.agree_L += same.sum(1)
+        t.usable_L += use.sum(1)
+        exp = expected_LS(c.seq)
+        t.expected += int(exp.sum())
+        t.missing += int((exp & ~r.mask_LS).sum())
+        t.last_uncovered += int(not bool(r.mask_LS[:, -1].any())) if r.num_positions else 0
+        ids_ok = ((r.ids_LSK >= 0) & (r.ids_LSK < num_experts)).all(-1)
+        t.out_of_range += int((r.mask_LS & ~ids_ok).sum())
+        t.duplicates += int((r.mask_LS & ids_ok & duplicate_LS(r.ids_LSK)).sum())
+        t.margins.append(c.free.margin_LS[use & ~same])
+    return t
+
+
+def _shifted_agreement(checked: list[Checked], num_experts: int, axis: int, d: int | None) -> float:
+    """Agreement when the trace's index i is compared with the model's index i + d along ``axis`` (0: MoE
+    layer, 1: position); d=None: each sequence's prompt length (routes of the completion only, read as if
+    they started at position 0)."""
+    agree = total = 0
+    for c in checked:
+        r = c.seq.routes
+        use = usable_LS(r.ids_LSK, r.mask_LS, num_experts)
+        n, dd = r.ids_LSK.shape[axis], c.seq.prompt_len if d is None else d
+        if abs(dd) >= n or dd == 0:
+            continue
+        src = slice(max(0, -dd), n - max(0, dd))
+        dst = slice(max(0, dd), n - max(0, -dd))
+        pick = (lambda x, s: x[s]) if axis == 0 else (lambda x, s: x[:, s])
+        u = pick(use, src)
+        agree += int((set_equal_LS(pick(r.ids_LSK, src), pick(c.free.ids_LSK, dst)) & u).sum())
+        total += int(u.sum())
+    return agree / total if total else 0.0
+
+
+def _explains(shifted: float, identity: float) -> bool:
+    return not identity >= 0.9 and shifted >= max(SHIFT_MIN, identity + SHIFT_GAIN)
+
+
+def shift_faults(checked: list[Checked], num_experts: int, identity: float) -> list[tuple[str, str]]:
+    out = []
+    for axis, name, what in ((0, "layer-shift", "MoE layer"), (1, "position-shift", "position")):
+        best = max(((_shifted_agreement(checked, num_experts, axis, d), d) for d in SHIFTS), default=(0.0, 0))
+        if _explains(best[0], identity):
+            hint = ("a dense or MTP layer counted, or not counted, in the layer axis" if axis == 0 else
+                    "the routes belong to the next or previous token (an off-by-one start)")
+            out.append((name, f"the trace's {what} i holds what the model routes at {what} i{best[1]:+d} "
+                              f"(agreement {best[0]:.4f} shifted vs {identity:.4f} as read): {hint}"))
+    prompt = _shifted_agreement(checked, num_experts, 1, None)
+    if not out and _explains(prompt, identity):
+        out.append(("completion-only", f"the routes match the model's shifted by each prompt's length (agreement "
+                                       f"{prompt:.4f} vs {identity:.4f} as read): they cover the completion only; "
+                                       "give the prompt's rows too (prompt_routed_experts) or their start"))
+    return out
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs [a, b) of sorted positions."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def _sequence_coverage(c: Checked) -> tuple[list[tuple[str, str]], Tensor]:
+    """Faults of one sequence's coverage (too long, ends early, position ranges without any route) and the
+    positions they explain."""
+    r, where, out = c.seq.routes, c.seq.where, []
+    if r.excess:
+        out.append(("trace-too-long", f"{where}: {r.excess} route rows past the last of its {c.seq.num_tokens} "
+                                      "tokens (a trace of other tokens, or one token counted twice)"))
+    exp = expected_LS(c.seq)
+    gone_S = (exp & ~r.mask_LS).all(0) & exp[0]
+    runs = _runs(gone_S.nonzero().squeeze(1).tolist())
+    end = c.seq.num_tokens - 1
+    if runs and runs[-1][1] == end:
+        a, _ = runs.pop()
+        out.append(("trace-too-short", f"{where}: routes stop before position {a}; its {c.seq.num_tokens} tokens "
+                                       f"need them up to position {end - 1} (the last, {end}, may be left out)"))
+    if runs:
+        spans = ", ".join(f"[{a}, {b})" for a, b in runs[:4]) + (" ..." if len(runs) > 4 else "")
+        out.append(("missing-positions", f"{where}: positions {spans} have no route in any MoE layer "
+                                          "(e.g. prefix caching with chunked prefill)"))
+    return out, gone_S
+
+
+def _grouped(faults: list[tuple[str, str]], n_seq: int) -> list[tuple[str, str]]:
+    """One line per fault name: how many sequences, and the first one's detail."""
+    first: dict[str, str] = {}
+    count: dict[str, int] = {}
+    for name, detail in faults:
+        first.setdefault(name, detail)
+        count[name] = count.get(name, 0) + 1
+    return [(name, f"{count[name]} of {n_seq} sequences; first: {first[name]}") for name in first]
+
+
+def coverage_faults(checked: list[Checked], layer_names: list[int]) -> list[tuple[str, str]]:
+    """Structural faults: length, missing layers and positions, zeroed rows, missing-route markers, ids in
+    rows the config says are dense. Each missing slot is blamed once: on its position range, else its layer,
+    else as a zeroed row or a missing-route marker."""
+    per_seq, explained = [], []
+    for c in checked:
+        faults, gone_S = _sequence_coverage(c)
+        per_seq += faults
+        explained.append(gone_S)
+    out = _grouped(per_seq, len(checked))
+    covered_L = sum(c.seq.routes.mask_LS.any(1).long() for c in checked)
+    gone_L = covered_L == 0
+    if gone_L.any() and not gone_L.all():
+        names = [layer_names[l] for l in gone_L.nonzero().squeeze(1).tolist()]
+        out.append(("missing-layer", f"MoE layers {names} (decoder index) have no route in any sequence while "
+                                     "the others have (a pipeline stage's routes not gathered?)"))
+    zeroed = negative = 0
+    for c, gone_S in zip(checked, explained):
+        left = expected_LS(c.seq) & ~c.seq.routes.mask_LS & ~gone_S[None] & ~gone_L[:, None]
+        z = _zeroed(c)
+        zeroed += int((left & z).sum())
+        negative += int((left & ~z).sum())
+    if zeroed:
+        out.append(("zeroed-rows", f"{zeroed} (layer, position) slots of MoE layers are all-zero rows: no route "
+                                   "was written there, and a replay reading them would force expert 0"))
+    if negative:
+        out.append(("missing-routes", f"{negative} (layer, position) slots carry the missing-route marker"))
+    dense = sorted({row for c in checked for row in c.seq.routes.dropped_nonzero})
+    if dense:
+        out.append(("dense-rows-carry-ids", f"layer rows {dense}, dense or MTP by the model's config, carry "
+                                            "expert ids: the layer axis is likely shifted"))
+    return out
+
+
+def _zeroed(c: Checked) -> Tensor:
+    z = c.seq.routes.zeroed_LS
+    return torch.zeros_like(c.seq.routes.mask_LS) if z is None else z
+
+
+def replay_fault(checked: list[Checked], num_experts: int) -> tuple[str, tuple[str, str] | None]:
+    """(a summary line, the fault if the experts run differ from the trace's on a covered slot)."""
+    differ = total = unobserved = 0
+    for c in checked:
+        r, rp = c.seq.routes, c.replayed
+        use = usable_LS(r.ids_LSK, r.mask_LS, num_experts)
+        if rp.ran_LSK is None:
+            unobserved += 1
+            rp_ids = rp.forced_LSK
+        else:
+            rp_ids = rp.ran_LSK
+        differ += int((use & ~set_equal_LS(rp_ids, r.ids_LSK)).sum())
+        total += int(use.sum())
+    seen = "experts run" if not unobserved else "router outputs (experts module not observable)"
+    line = f"replay: {seen} equal the trace's on {total - differ}/{total} covered slots"
+    if not differ:
+        return line, None
+    return line, ("replay-no-effect", f"under replay the experts run differ from the trace's on {differ} of "
+                                      f"{total} covered slots: the forced routes did not reach the experts "
+                                      "(a fused MoE path or a router the hooks do not see)")
+
+
+def mismatch_lines(checked: list[Checked]) -> list[str]:
+    """Engine vs trainer log-probs of the completion tokens (free routing and under replay), when carried."""
+    pairs = [(c.seq.engine_logprobs, c.free.token_logp_S[c.seq.prompt_len:],
+              None if c.replayed is None else c.replayed.token_logp_S[c.seq.prompt_len:])
+             for c in checked if c.seq.engine_logprobs is not None]
+    if not pairs:
+        return ["mismatch: no engine log-probs in FILE (completion_logprobs)"]
+    out = []
+    for name, idx in (("free", 1), ("replayed", 2)):
+        if any(p[idx] is None for p in pairs):
+            continue
+        d = torch.cat([p[idx] - p[0] for p in pairs])
+        k3 = (torch.exp(d) - 1 - d).mean()  # k3 estimator of KL(engine || trainer) on the engine's samples
+        out.append(f"mismatch ({name}): {d.numel()} tokens, mean |logp_trainer - logp_engine| "
+                   f"{d.abs().mean():.3g}, max {d.abs().max():.3g}, k3 KL {k3:.3g}")
+    return out
+

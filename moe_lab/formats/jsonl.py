@@ -1,0 +1,183 @@
+"""The `moe-lab check-trace` input: a JSONL dump (one sequence a line) or a moe_lab trace file, layout detected.
+
+A line holds ``prompt_ids`` and ``completion_ids`` (lists of ints) and ``routed_experts`` in any layout of
+moe_lab.formats; optionally ``prompt_routed_experts`` (vLLM's OpenAI server splits the prompt's rows off),
+``routed_experts_start_len`` (or ``start``: SGLang's first position covered; prime-rl carries its own
+``start`` inside its object), and the engine's log-probs of the completion tokens as ``completion_logprobs``
+(or ``logprobs``, when that is a list of numbers). ``format`` on a line, or ``--format``, names the layout;
+else it is detected from the value:
+
+  "nrlre1:..."                        nemo_rl     {"data", "shape", ...}      prime_rl
+  any other string (base64)           sglang      nested lists [S][L][K]     vllm (verl: the same rows)
+
+Everything here runs before a model is loaded: a file that is not one of these gets one line naming the
+file, the line and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from moe_lab.formats import nemo_rl, prime_rl
+from moe_lab.formats.names import FILE_FORMATS, FORMATS, LINE_FORMATS
+from moe_lab.formats.routes import Routes, RoutedSequence, decode
+from moe_lab.formats.sglang import decode_sglang
+from moe_lab.formats.vllm import decode_vllm
+
+
+
+def detect_line(line: dict) -> str:
+    """The layout of one line's routed_experts (see the module docstring)."""
+    if isinstance(line.get("format"), str):
+        return line["format"]
+    value = line.get("routed_experts")
+    if "prompt_routed_experts" in line:
+        return "vllm"
+    if nemo_rl.is_envelope(value):
+        return "nemo_rl"
+    if prime_rl.is_prime_rl(value):
+        return "prime_rl"
+    if isinstance(value, (str, bytes)):
+        return "sglang"
+    if isinstance(value, list):
+        return "vllm"
+    raise ValueError(f"routed_experts: {type(value).__name__} is none of the layouts; allowed an 'nrlre1:' "
+                     "envelope (NeMo-RL), a {data, shape, start, dtype} object (prime-rl), a base64 string "
+                     "(SGLang) or nested lists [positions][layers][top_k] (vLLM, verl)")
+
+
+def _start(line: dict) -> int:
+    start = line.get("routed_experts_start_len", line.get("start", 0))
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"routed_experts_start_len={start!r}; allowed an int >= 0")
+    return start
+
+
+def _decode_line(layout: str, line: dict, config: Any, n: int) -> Routes:
+    value = line.get("routed_experts")
+    if layout == "vllm":
+        return decode_vllm(value if value is not None else [], config=config, num_tokens=n,
+                           prompt_routed_experts=line.get("prompt_routed_experts"))
+    if layout == "sglang":
+        return decode_sglang(value, config=config, num_tokens=n, start=_start(line))
+    if layout == "nemo_rl":
+        return nemo_rl.decode_nemo_rl(value, config=config, num_tokens=n)
+    if layout == "prime_rl":
+        if not prime_rl.is_prime_rl(value):
+            raise ValueError("routed_experts: expected a prime-rl object with data and shape")
+        return prime_rl.decode_prime_rl(value, config=config, num_tokens=n)
+    if layout == "verl":
+        return decode(value, config, num_tokens=n, layout="verl")
+    raise ValueError(f"format={layout!r}; allowed {', '.join(LINE_FORMATS)} on a JSONL line")
+
+
+def _ids(line: dict, key: str) -> torch.Tensor:
+    value = line.get(key)
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{key}: expected a list of token ids (ints)")
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def _numbers(value: Any, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and \
+        all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+
+
+def _logprobs(line: dict, n_completion: int) -> torch.Tensor | None:
+    """``completion_logprobs`` (strict: one number per completion token), else ``logprobs`` when it is such a
+    list (an OpenAI-style logprobs object is not one, and is ignored)."""
+    value = line.get("completion_logprobs")
+    if value is not None:
+        if not _numbers(value, n_completion):
+            raise ValueError(f"completion_logprobs: expected {n_completion} numbers (one per completion token)")
+        return torch.tensor(value, dtype=torch.float64)
+    value = line.get("logprobs")
+    return torch.tensor(value, dtype=torch.float64) if _numbers(value, n_completion) else None
+
+
+def parse_line(line: dict, config: Any, layout: str = "auto", where: str = "") -> RoutedSequence:
+    if not isinstance(line, dict):
+        raise ValueError("expected a JSON object with prompt_ids, completion_ids and routed_experts")
+    prompt, completion = _ids(line, "prompt_ids"), _ids(line, "completion_ids")
+    if "routed_experts" not in line:
+        raise ValueError("routed_experts: missing")
+    layout = detect_line(line) if layout == "auto" else layout
+    tokens = torch.cat([prompt, completion])
+    routes = _decode_line(layout, line, config, tokens.numel())
+    return RoutedSequence(tokens, prompt.numel(), routes, _logprobs(line, completion.numel()), where)
+
+
+def read_jsonl(path: str | Path, config: Any, layout: str = "auto") -> list[RoutedSequence]:
+    """Every line of a JSONL dump; a bad line raises ValueError naming FILE line N."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for n, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                out.append(parse_line(json.loads(text), config, layout, where))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg}); expected one JSON object a line") from None
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+    if not out:
+        raise ValueError(f"{path}: no sequences (expected JSONL, one object a line, or a moe_lab trace file)")
+    return out
+
+
+def file_format(path: Path, layout: str) -> str:
+    """'trace', 'slime' or 'jsonl' for a file and a --format value."""
+    if layout not in FORMATS:
+        raise ValueError(f"--format={layout!r}; allowed {', '.join(FORMATS)}")
+    if layout in FILE_FORMATS:
+        return layout
+    if layout == "auto" and path.suffix == ".safetensors":
+        return "trace"
+    if layout == "auto" and path.suffix in (".pt", ".pth"):
+        return "slime"
+    return "jsonl"
+
+
+def read_input(path: str | Path, config: Any, layout: str = "auto") -> list[RoutedSequence]:
+    """Any check-trace input -> its sequences (nothing loaded but the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"FILE={str(path)!r}: no such file (expected a JSONL dump or a moe_lab trace file)")
+    kind = file_format(path, layout)
+    readers: dict[str, Callable[[], list[RoutedSequence]]] = {
+        "trace": lambda: _read_trace(path, config),
+        "slime": lambda: _read_slime(path, config),
+        "jsonl": lambda: read_jsonl(path, config, layout),
+    }
+    return readers[kind]()
+
+
+def _read_trace(path: Path, config: Any) -> list[RoutedSequence]:
+    from moe_lab.formats.native import read_trace_file
+
+    try:
+        return read_trace_file(path, config)
+    except Exception as exc:  # safetensors raises its own types on a file that is not one
+        if isinstance(exc, ValueError) and str(exc).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a moe_lab trace file ({type(exc).__name__}: {exc})") from None
+
+
+def _read_slime(path: Path, config: Any) -> list[RoutedSequence]:
+    from moe_lab.formats.slime import read_slime
+
+    return read_slime(path, config)
+
+
+def write_line(seq: RoutedSequence, line_routes: dict) -> str:
+    """One JSONL line: the tokens of ``seq`` and the layout fields in ``line_routes``."""
+    completion = seq.tokens[seq.prompt_len:].tolist()
+    line = {"prompt_ids": seq.tokens[: seq.prompt_len].tolist(), "completion_ids": completion, **line_routes}
+    if seq.engine_logprobs is not None:
+        line["completion_logprobs"] = seq.engine_logprobs.tolist()
+    return json.dumps(line)

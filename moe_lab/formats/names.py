@@ -1,0 +1,5 @@
+"""The names of the layouts moe_lab.formats reads (no torch: the command line's parser lists them)."""
+
+LINE_FORMATS = ("vllm", "sglang", "nemo_rl", "prime_rl", "verl")  # a JSONL line's routed_experts
+FILE_FORMATS = ("trace", "slime")  # a whole file: moe_lab's trace (.safetensors), slime's debug dump (.pt)
+FORMATS = ("auto", *LINE_FORMATS, *FILE_FORMATS)

@@ -1,0 +1,115 @@
+"""Tiny MoE checkpoints and generation routes recorded with the tests' OWN hooks (not moe_lab's record()),
+written in every layout moe_lab.formats reads: the shared material of tests/test_formats.py and
+tests/test_check_trace.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from moe_lab.formats import nemo_rl, prime_rl, sglang, vllm
+from moe_lab.formats.jsonl import write_line
+from moe_lab.formats.routes import Routes, RoutedSequence
+
+VOCAB, TOP_K, EXPERTS = 48, 2, 8
+_GATE = re.compile(r"\.layers\.(\d+)\.mlp\.gate$")
+
+
+def tiny_checkpoint(path: Path, family: str = "qwen3_moe", seed: int = 0) -> Path:
+    """3 decoder layers, the first dense (qwen3_moe: mlp_only_layers=[0]; deepseek_v3: first_k_dense_replace=1)."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=64,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, num_experts=EXPERTS, moe_intermediate_size=16, mlp_only_layers=[0],
+                                decoder_sparse_step=1, norm_topk_prob=True)
+        cls = Qwen3MoeForCausalLM
+    else:
+        config = DeepseekV3Config(**{**common, "num_key_value_heads": 4}, n_routed_experts=EXPERTS,
+                                  moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=2,
+                                  n_shared_experts=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+                                  qk_nope_head_dim=4, v_head_dim=8,
+                                  # transformers builds no MTP layer; 0 keeps "decoder" and "moe+mtp" of different
+                                  # lengths (one dense and one MTP layer would give both 3 rows)
+                                  num_nextn_predict_layers=0)
+        cls = DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # spread the router weights so that choices are not near ties
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    return path
+
+
+def load(path: Path):
+    config = json.loads((path / "config.json").read_text())
+    cls = Qwen3MoeForCausalLM if config["model_type"] == "qwen3_moe" else DeepseekV3ForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32).eval(), config
+
+
+def generate_routes(model, prompts: list[list[int]], new_tokens: int, seed: int = 0) -> list[RoutedSequence]:
+    """Sample a completion per prompt with the KV cache; each router's output ids kept by the test's own
+    forward hooks, over the S - 1 positions generate() forwards. Engine log-probs from the raw logits."""
+    gates = sorted(((int(m.group(1)), mod) for n, mod in model.named_modules() if (m := _GATE.search(n))),
+                   key=lambda t: t[0])
+    out = []
+    for i, prompt in enumerate(prompts):
+        calls: list[list[torch.Tensor]] = [[] for _ in gates]
+        hooks = [mod.register_forward_hook(lambda _m, _a, o, l=l: calls[l].append(o[2].detach().clone()))
+                 for l, (_, mod) in enumerate(gates)]
+        torch.manual_seed(seed + i)
+        try:
+            # an explicit mask: generate() would otherwise mask every token equal to pad_token_id
+            gen = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=True, top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        finally:
+            for h in hooks:
+                h.remove()
+        tokens = gen.sequences[0]
+        ids_LSK = torch.stack([torch.cat(c).reshape(-1, TOP_K) for c in calls]).long()
+        S = tokens.numel()
+        logp = torch.stack([torch.log_softmax(lg[0].double(), -1)[t]
+                            for lg, t in zip(gen.logits, tokens[len(prompt):])])
+        out.append(full_sequence(tokens, len(prompt), ids_LSK, S, logp, f"prompt {i}"))
+    return out
+
+
+def full_sequence(tokens, prompt_len, ids_LSK, S, logp=None, where="") -> RoutedSequence:
+    """RoutedSequence over S positions; positions past the recorded ids are missing (mask False, ids -1)."""
+    L, n, K = ids_LSK.shape
+    ids = torch.full((L, S, K), -1, dtype=torch.long)
+    ids[:, :n] = ids_LSK
+    mask = torch.zeros(L, S, dtype=torch.bool)
+    mask[:, :n] = True
+    return RoutedSequence(tokens.clone(), prompt_len, Routes(ids, mask), logp, where)
+
+
+def layout_fields(layout: str, seq: RoutedSequence, config: dict) -> dict:
+    """A JSONL line's routed-experts fields for ``seq`` in ``layout`` (the writers of moe_lab.formats)."""
+    r, n = seq.routes, seq.num_tokens
+    stop = int(r.mask_LS.any(0).nonzero().max()) + 1 if r.mask_LS.any() else 0
+    if layout == "vllm":  # every decoder layer, zeros in the dense one (the form verl #5037 met)
+        return {"routed_experts": vllm.write_vllm(r, config=config, stop=stop).tolist()}
+    if layout == "vllm_split":  # the OpenAI server: the prompt's rows on the response, the rest on the choice
+        prompt_rows, rest = vllm.write_vllm_split(r, config=config, prompt_len=seq.prompt_len, layers="moe", stop=stop)
+        return {"prompt_routed_experts": prompt_rows, "routed_experts": rest}
+    if layout == "sglang":
+        return {"routed_experts": sglang.write_sglang(r, config=config, stop=stop), "routed_experts_start_len": 0}
+    if layout == "nemo_rl":
+        return {"routed_experts": nemo_rl.write_nemo_rl(r, config=config, stop=n)}
+    if layout == "prime_rl":
+        return {"routed_experts": prime_rl.write_prime_rl(r, config=config, stop=stop)}
+    raise ValueError(layout)
+
+
+def write_jsonl(path: Path, sequences: list[RoutedSequence], layout: str, config: dict) -> Path:
+    path.write_text("".join(write_line(s, layout_fields(layout, s, config)) + "\n" for s in sequences))
+    return path
