@@ -185,7 +185,7 @@ def _compare(args) -> int:
         print(f"moe-lab: note: {len(unfinished)} run(s) not finished, left out: {', '.join(unfinished)}",
               file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
-    declared = load_declared(args.results)
+    declared = load_declared(args.results, per_run=per_run)
     if len(declared) and not args.csv:  # the contrasts the experiment file fixed before its runs
         print("\n" + format_declared(declared))
     return 0

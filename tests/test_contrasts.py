@@ -167,3 +167,17 @@ def test_router_learns_declares_what_the_issue_fixed():
     assert [(c.arm, c.vs, c.role, c.margin) for c in contrasts] == [
         ("gspo", "grpo_r2", "primary", None), ("grpo_r2", "grpo", "primary", 0.05),
         ("grpo_r2w", "grpo_r2", "secondary", None), ("grpo_r2w", "gspo", "secondary", None)]
+
+
+def test_compare_prints_the_declared_contrasts_it_computes(capsys):
+    from moe_lab.analysis.contrasts import format_declared, load_declared
+    from moe_lab.cli import main
+
+    folder = "results/reference/router_learns"
+    assert main(["compare", folder]) == 0
+    out = capsys.readouterr().out
+    table = load_declared(folder)
+    assert len(table) and format_declared(table) in out
+    # every primary row carries a Holm p no smaller than the p of its declared hypothesis
+    primary = table[table["role"] == "primary"]
+    assert (primary["holm_p"] >= primary["hypothesis_p"] - 1e-15).all()

@@ -205,14 +205,16 @@ def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], col
     return table
 
 
-def load_declared(results: str, column: str = "primary") -> pd.DataFrame:
+def load_declared(results: str, column: str = "primary", per_run: pd.DataFrame | None = None) -> pd.DataFrame:
     """The declared contrasts of a results folder (its experiment.yaml's ``contrasts:``), on ``column``; an
-    empty frame when the file declares none."""
+    empty frame when the file declares none. ``per_run``: the folder's endpoints when the caller has them
+    (``load_comparison``), so the runs are not read twice."""
     exp_file = Path(results) / "experiment.yaml"
     contrasts = contrasts_spec(load_yaml(str(exp_file))) if exp_file.is_file() else []
     if not contrasts:
         return pd.DataFrame()
-    _, per_run, _, _ = load_comparison(results)
+    if per_run is None:
+        _, per_run, _, _ = load_comparison(results)
     return declared_contrasts(per_run, contrasts, column)
 
 
