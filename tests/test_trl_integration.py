@@ -53,14 +53,18 @@ def dataset(seed: int = 0):
     return datasets.Dataset.from_dict({"prompt": prompts})
 
 
-def trainer(tmp_path, family="qwen3_moe", mode="old", **over):
+def config_kwargs(tmp_path, mode: str, **over) -> dict:
     """Off-policy by default (steps_per_generation=2, one microbatch per optimizer step): TRL runs its old pass
     and the second microbatch of each generation trains on weights one update away from it."""
     kw = dict(output_dir=str(tmp_path), routing_replay=mode, per_device_train_batch_size=4, num_generations=4,
               steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, learning_rate=0.05,
               max_steps=2, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
               gradient_checkpointing=True, beta=0.0, seed=0, shuffle_dataset=False)
-    kw.update(over)
+    return {**kw, **over}
+
+
+def trainer(tmp_path, family="qwen3_moe", mode="old", **over):
+    kw = config_kwargs(tmp_path, mode, **over)
     torch.manual_seed(0)
     return MoEGRPOTrainer(model=tiny_model(family), reward_funcs=reward, args=MoEGRPOConfig(**kw),
                           train_dataset=dataset(), processing_class=TOKENIZER)

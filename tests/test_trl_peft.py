@@ -18,11 +18,7 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
 def lora_trainer(tmp_path, mode: str, wrap_first: bool, **over):
-    kw = dict(output_dir=str(tmp_path), routing_replay=mode, per_device_train_batch_size=4, num_generations=4,
-              steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, learning_rate=0.5,
-              max_steps=2, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
-              gradient_checkpointing=True, beta=0.0, seed=0, shuffle_dataset=False)
-    kw.update(over)
+    kw = T.config_kwargs(tmp_path, mode, **{"learning_rate": 0.5, **over})  # LoRA's small updates need a large lr
     torch.manual_seed(0)
     model, extra = T.tiny_model("qwen3_moe"), {}
     if wrap_first:  # the user wraps: get_peft_model(model, LoraConfig(...))

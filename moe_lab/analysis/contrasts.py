@@ -35,7 +35,7 @@ import pandas as pd
 from scipy import optimize, stats
 
 from moe_lab.analysis.endpoints import format_p, load_comparison, permutation_p
-from moe_lab.analysis.replay_map import welch_diff_ci
+from moe_lab.analysis.replay_map import welch_diff_ci, welch_diff_se
 from moe_lab.config import load_yaml
 from moe_lab.launch.design import Contrast, contrasts_spec
 
@@ -147,16 +147,6 @@ def holm(ps: Sequence[float]) -> list[float]:
 # --------------------------------------------------------------------------- the declared contrasts
 
 
-def _welch(a: pd.Series, b: pd.Series) -> tuple[float, float, float]:
-    """(difference of means, its standard error, Welch-Satterthwaite df); NaN where a side has < 2 values."""
-    a, b = a.dropna().to_numpy(float), b.dropna().to_numpy(float)
-    if len(a) < 2 or len(b) < 2:
-        return (a.mean() - b.mean() if len(a) and len(b) else math.nan), math.nan, math.nan
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else math.inf
-    return float(a.mean() - b.mean()), math.sqrt(va + vb), df
-
-
 def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
     x, y = runs[runs["arm_base"] == c.arm], runs[runs["arm_base"] == c.vs]
     row = {"setting": setting, "arm": c.arm, "vs": c.vs, "role": c.role, "margin": c.margin,
@@ -169,7 +159,7 @@ def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
         fit = mixed_contrast(both[column], both["arm_base"] == c.arm, both["block"])
         row.update(model="mixed", **fit)
     else:  # one cold start: the runs are the replications (Welch), as in every older experiment
-        diff, se, df = _welch(x[column], y[column])
+        diff, se, df = welch_diff_se(x[column].tolist(), y[column].tolist())
         half = float(stats.t.ppf(0.975, df)) * se
         row.update(model="welch", diff=diff, lo=diff - half, hi=diff + half, se=se, df=df, blocks=len(common),
                    p=float(2 * stats.t.sf(abs(diff) / se, df)) if se > 0 else math.nan)

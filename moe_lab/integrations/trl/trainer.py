@@ -31,7 +31,9 @@ from moe_lab.algos.ratio_metrics import ratio_decomposition
 from moe_lab.integrations import metric_row as M
 from moe_lab.integrations.batch_routing import (RolloutLogp, position_ids, response_mask_BS, routing_run, to_batch,
                                                 to_trace)
-from moe_lab.integrations.trl import checks, vllm
+from moe_lab.integrations.trl.checks import base_model, check_model, check_setup, say_balancing_loss
+from moe_lab.integrations.trl.vllm import (EngineOutputs, check_rollout_with_vllm, engine_rollout, routed_llm,
+                                          wants_routes)
 from moe_lab.integrations.trl.state import LossScope, MoEState, Rollout, join_chunks, old_reference
 from moe_lab.models import moe_layers
 from moe_lab.routing import record, router_logp_probe
@@ -52,25 +54,25 @@ class MoEGRPOTrainer(GRPOTrainer):
         if not isinstance(args, MoEGRPOConfig):
             raise ValueError(f"args: expected a MoEGRPOConfig (GRPOConfig plus routing_replay, moe_metrics), got "
                              f"{type(args).__name__}")
-        checks.check_model(model)  # before TRL builds a reference model, an engine or optimizer state
-        vllm.check_rollout_with_vllm(args)
-        engine = vllm.EngineOutputs()
-        with vllm.routed_llm(trl_vllm, engine, vllm.wants_routes(args)):
+        check_model(model)  # before TRL builds a reference model, an engine or optimizer state
+        check_rollout_with_vllm(args)
+        engine = EngineOutputs()
+        with routed_llm(trl_vllm, engine, wants_routes(args)):
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         layers = moe_layers(self._moe_net)
         self._moe_like = {"E": layers[0].router.num_experts, "family": layers[0].family.name}
         self._moe_layer_idx = [layer.layer_idx for layer in layers]
         self._moe, self._moe_engine = MoEState(), engine
         self._moe_row = M.MetricRow(self._moe_layer_idx)
-        checks.check_setup(self)
-        checks.say_balancing_loss(self)
+        check_setup(self)
+        say_balancing_loss(self)
 
     # ------------------------------------------------------------------------------------------- setup
 
     @property
     def _moe_net(self):
         """The model every routing hook sits on: what generate() and TRL's forwards actually call."""
-        return checks.base_model(self.accelerator.unwrap_model(self.model))
+        return base_model(self.accelerator.unwrap_model(self.model))
 
     def _moe_on_policy(self) -> bool:
         """TRL's own condition for skipping the old pass: then old log-probs = the loss's, detached (ratio 1)."""
@@ -90,11 +92,11 @@ class MoEGRPOTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         call = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        if not self._moe_records_rollout() or (self.use_vllm and not vllm.wants_routes(self.args)):
+        if not self._moe_records_rollout() or (self.use_vllm and not wants_routes(self.args)):
             return super()._generate_single_turn(*call)
         if self.use_vllm:
             out = super()._generate_single_turn(*call)
-            self._moe.rollout = vllm.engine_rollout(self._moe_engine.outputs, self._moe_net.config,
+            self._moe.rollout = engine_rollout(self._moe_engine.outputs, self._moe_net.config,
                                                     self._moe_layer_idx, self._moe_like["E"],
                                                     strict=self.args.routing_replay == "rollout")
             return out
@@ -136,7 +138,7 @@ class MoEGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):
         state, policy = self._moe, self._moe_is_policy(model)
-        net = checks.base_model(self.accelerator.unwrap_model(model))
+        net = base_model(self.accelerator.unwrap_model(model))
         with position_ids(net, self.args.moe_position_ids):
             if state.phase == "old" and policy:
                 return self._moe_old_pass(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
