@@ -26,6 +26,7 @@ from moe_lab.config import ConfigError, RunConfig, field_table, load_yaml
 COMMANDS = (
     "moe_lab.audit.check_trace",
     "moe_lab.audit.volatility",
+    "moe_lab.launch.progress",
 )
 
 

@@ -1,0 +1,175 @@
+"""`moe-lab progress RESULTS_DIR`: how far a (resumable) experiment has got, without unblinding it.
+
+A long experiment runs over several sessions, and its analysis is fixed before the first run (docs/findings.md);
+looking at part of its results is what that rule forbids. So this command reads only what the runner
+bookkeeps — each cell's manifest status, its steps done, its wall time and the pid in its `.lock` — and never
+an endpoint: a collapsed run counts as finished like a done one (the collapse rate is the tertiary endpoint),
+and the pace is pooled over all finished runs, never per arm (a collapsed run stops early, so wall time per arm
+would leak it).
+
+Exit codes: 0 every cell finished; 1 some cell has not (not started, running, stopped, interrupted or
+failed); 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_lab.config import ConfigError, load_yaml
+from moe_lab.launch.design import blocks_spec
+from moe_lab.launch.experiment import Cell, expand
+from moe_lab.rl.runlog import (FINISHED, LOCK_FILE, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING,
+                               read_json, run_status)
+
+EXPERIMENT_FILE = "experiment.yaml"  # what the runner writes into its --out folder
+# the states a cell can be in, in the order they are printed
+STATES = ("finished", "running", "stopped", "interrupted", "failed", "not started")
+
+
+@dataclass(frozen=True)
+class CellProgress:
+    run_id: str
+    arm: str
+    block: object
+    """the cell's block value (e.g. its model.seed), None without `blocks:`"""
+    state: str
+    """one of STATES; 'running' = its manifest says running and the pid in its .lock is alive, 'stopped' = it
+    says running but no live process holds it (the runner was killed: it resumes from its last checkpoint)"""
+    steps_done: int
+    steps: int
+    wall_s: float
+    pid: int | None
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("progress", help="how far a results folder's experiment has got: finished, running and "
+                                        "remaining runs per arm and block, and the time left (no endpoint)")
+    p.add_argument("results", metavar="RESULTS_DIR", help="the --out folder of `moe-lab run`")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="workers to assume for the time left (default: the live runs' count, else 1)")
+    return p
+
+
+def _pid_alive(run_dir: Path) -> int | None:
+    """The pid written in the run's .lock if that process is alive (read only: taking the flock to test it
+    would make a starting runner skip the cell as locked)."""
+    try:
+        pid = int((run_dir / LOCK_FILE).read_text(encoding="ascii").strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def cell_progress(cell: Cell, run_dir: Path, block: object) -> CellProgress:
+    manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
+    status = run_status(manifest) if manifest else None
+    pid = _pid_alive(run_dir) if status == STATUS_RUNNING else None
+    if status in FINISHED:
+        state = "finished"
+    elif status == STATUS_RUNNING:
+        state = "running" if pid else "stopped"
+    elif status in (STATUS_INTERRUPTED, STATUS_FAILED):
+        state = status
+    else:
+        state = "not started"
+    steps_done = int(manifest.get("steps_done", 0)) if state == "finished" else _steps_logged(run_dir)
+    return CellProgress(cell.run_id, cell.arm, block, state, steps_done, cell.config.rl.steps,
+                        float(manifest.get("wall_s", 0.0)), pid)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    """RL steps in an unfinished run's metrics table (its manifest counts them only when the run ends). The
+    table is replaced atomically, so a read during a write sees the old or the new one, never half."""
+    import pandas as pd
+
+    path = run_dir / "metrics.parquet"
+    if not path.exists():
+        return 0
+    step = pd.read_parquet(path, columns=["step"])["step"]
+    return int(step.max()) + 1 if len(step) else 0
+
+
+def collect(results: Path) -> tuple[dict, list[CellProgress]]:
+    """(the experiment, one CellProgress per cell in running order); ConfigError names a bad folder."""
+    path = results / EXPERIMENT_FILE
+    if not path.is_file():
+        raise ConfigError(f"RESULTS_DIR={results}: no {EXPERIMENT_FILE} (not an output folder of `moe-lab run`)")
+    exp = load_yaml(str(path))
+    blocks = blocks_spec(exp)
+    block_of = {s: v for v, seeds in blocks.seeds.items() for s in seeds} if blocks else {}
+    cells = expand(exp)
+    return exp, [cell_progress(c, results / "runs" / c.run_id, block_of.get(c.seed)) for c in cells]
+
+
+def time_left(cells: list[CellProgress], jobs: int) -> tuple[float, float] | None:
+    """(seconds per RL step pooled over the finished runs, hours left at ``jobs`` workers) or None before any
+    run finished. Unfinished runs are counted at full length: collapsed ones stop early, so it is an upper
+    bound."""
+    done = [c for c in cells if c.state == "finished"]
+    steps = sum(c.steps_done for c in done)
+    if not steps:
+        return None
+    per_step = sum(c.wall_s for c in done) / steps
+    left = sum(max(c.steps - c.steps_done, 0) for c in cells if c.state != "finished")
+    return per_step, per_step * left / max(jobs, 1) / 3600
+
+
+def _grid(cells: list[CellProgress]) -> list[str]:
+    """Finished / total per arm (rows) and block (columns)."""
+    blocks = list(dict.fromkeys(c.block for c in cells))
+    arms = list(dict.fromkeys(c.arm for c in cells))
+    width = max(len(a) for a in arms)
+    head = "arm".ljust(width) + "".join(f"  {'all' if b is None else b!s:>7}" for b in blocks)
+    lines = [head]
+    for arm in arms:
+        row = arm.ljust(width)
+        for b in blocks:
+            mine = [c for c in cells if c.arm == arm and c.block == b]
+            row += f"  {sum(c.state == 'finished' for c in mine):>3}/{len(mine):<3}"
+        lines.append(row.rstrip())
+    return lines
+
+
+def report(results: Path, exp: dict, cells: list[CellProgress], jobs: int | None) -> list[str]:
+    counts = {s: sum(c.state == s for c in cells) for s in STATES}
+    live = sorted(c.pid for c in cells if c.state == "running")
+    name = exp.get("name") or results.name
+    lines = [f"{name}: {len(cells)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n or s == "finished")]
+    if live:
+        lines.append("running now (pid): " + ", ".join(f"{c.run_id} ({c.pid}, step {c.steps_done}/{c.steps})"
+                                                         for c in cells if c.state == "running"))
+    blocks = blocks_spec(exp)
+    lines.append("finished per arm" + (f" and {blocks.field}" if blocks else "") + ":")
+    lines += ["  " + line for line in _grid(cells)]
+    for c in cells:
+        if c.state in ("failed", "interrupted", "stopped"):
+            why = {"stopped": "no live process holds it: the runner resumes it from its last checkpoint"}
+            lines.append(f"{c.run_id}: {c.state} at step {c.steps_done}/{c.steps}"
+                         + (f" ({why[c.state]})" if c.state in why else ""))
+    workers = jobs or len(live) or 1
+    pace = time_left(cells, workers)
+    if pace and counts["finished"] < len(cells):
+        per_step, hours = pace
+        lines.append(f"pace {per_step:.2f} s per RL step (finished runs, all arms pooled): at most {hours:.1f} h "
+                     f"left with {workers} worker(s)")
+    if counts["finished"] < len(cells) and not live:
+        lines.append(f"resume: moe-lab run {results / EXPERIMENT_FILE} --out {results}")
+    return lines
+
+
+def main(args) -> int:
+    results = Path(args.results).expanduser()
+    try:
+        if args.jobs is not None and args.jobs < 1:
+            raise ConfigError(f"--jobs={args.jobs}: allowed an integer >= 1")
+        exp, cells = collect(results)
+    except ConfigError as exc:
+        print(f"moe-lab progress: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print("\n".join(report(results, exp, cells, args.jobs)))
+    return 0 if all(c.state == "finished" for c in cells) else 1
