@@ -185,11 +185,30 @@ def _compare(args) -> int:
     if unfinished:  # stderr: the table itself stays machine-readable with --csv
         print(f"moe-lab: note: {len(unfinished)} run(s) not finished, left out: {', '.join(unfinished)}",
               file=sys.stderr)
+    interim = _interim_note(Path(args.results))
+    if interim:
+        print(interim, file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
     declared = load_declared(args.results, per_run=per_run)
     if len(declared) and not args.csv:  # the contrasts the experiment file fixed before its runs
         print("\n" + format_declared(declared))
     return 0
+
+
+def _interim_note(results: Path) -> str | None:
+    """A line when the folder's experiment has cells not yet finished (never started ones included, which the
+    tables cannot see): an analysis fixed before the runs is the one after the last run, not this one."""
+    from moe_lab.launch.progress import collect
+
+    try:
+        exp, cells = collect(results)
+    except ConfigError:  # a folder without the runner's experiment.yaml: nothing to count against
+        return None
+    finished = sum(c.state == "finished" for c in cells)
+    if finished == len(cells):
+        return None
+    return (f"moe-lab: note: interim: {finished} of {len(cells)} runs of {exp.get('name') or results.name} "
+            f"finished; an analysis fixed before the runs is the one after the last (moe-lab progress {results})")
 
 
 def _add_forest_parser(sub) -> None:

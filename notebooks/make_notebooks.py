@@ -221,7 +221,11 @@ for name, (spec, m, e) in loaded.items():
     exp = load_yaml(str(REFERENCE / name / "experiment.yaml"))
     declared, blocks = design.contrasts_spec(exp), design.blocks_spec(exp)
     per_run = endpoints.run_endpoints(m, e, spec, blocks.field if blocks else None)
-    if declared and len(per_run):
+    _, cells = progress.collect(REFERENCE / name)
+    finished = sum(c.state == "finished" for c in cells)
+    if declared and finished < len(cells):  # fixed before the runs: the analysis is the one after the last
+        print(f"\\n### {name}: {finished} of {len(cells)} runs finished; declared contrasts after the last")
+    elif declared and len(per_run):
         print(f"\\n### {name}")
         print(contrasts.format_declared(contrasts.declared_contrasts(per_run, declared)))'''
 
@@ -239,7 +243,7 @@ CONFIRMATION = {
                                "from moe_lab import figures, plots, results, stability, stability_plots\n"
                                "from moe_lab.analysis import contrasts, endpoint_plots, endpoints\n"
                                "from moe_lab.config import load_yaml\n"
-                               "from moe_lab.launch import design")),
+                               "from moe_lab.launch import design, progress")),
         ("code", LOAD_CONFIRMATION),
         ("md", "## The endpoints, fixed before the runs\n"
                "- **primary**: per seed, the mean greedy accuracy (`eval/acc_greedy`) over the last 5 scheduled "

@@ -109,3 +109,19 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_notes_an_interim_folder_and_says_nothing_of_a_finished_one(results, tmp_path):
+    from moe_lab.cli import _interim_note
+
+    assert _interim_note(results) == (
+        f"moe-lab: note: interim: 2 of 8 runs of tiny_blocks finished; an analysis fixed before the runs is the "
+        f"one after the last (moe-lab progress {results})")
+    done = tmp_path / "done"
+    (done / "runs").mkdir(parents=True)
+    (done / "experiment.yaml").write_text(yaml.safe_dump({**EXP, "blocks": {"field": "model.seed",
+                                                                             "seeds": {1: [10]}}}), encoding="utf-8")
+    for arm in ("grpo", "gspo"):
+        _manifest(done / "runs" / f"{arm}-s10", status="done", steps_done=20, wall_s=1.0)
+    assert _interim_note(done) is None
+    assert _interim_note(tmp_path / "no_experiment_file") is None
