@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from moe_lab.cli import main
+from moe_lab.config import dump_yaml
+from moe_lab.launch.experiment import expand
 from moe_lab.launch.progress import collect, time_left
 from moe_lab.rl.runlog import RunLock
 
@@ -52,6 +54,9 @@ def results(tmp_path):
     _metrics(runs / "gspo-s20", 3)
     (runs / "gspo-s20" / ".lock").write_text(str(_dead_pid()), encoding="ascii")
     _manifest(runs / "grpo-s11", status="failed", reason="boom", traceback="...")
+    for c in expand(EXP):  # each started run holds its own config, as the runner writes it
+        if (runs / c.run_id).is_dir():
+            (runs / c.run_id / "config.yaml").write_text(dump_yaml(c.config), encoding="utf-8")
     return out
 
 
@@ -125,3 +130,10 @@ def test_compare_notes_an_interim_folder_and_says_nothing_of_a_finished_one(resu
         _manifest(done / "runs" / f"{arm}-s10", status="done", steps_done=20, wall_s=1.0)
     assert _interim_note(done) is None
     assert _interim_note(tmp_path / "no_experiment_file") is None
+
+
+def test_a_folder_holding_another_config_is_not_counted_as_this_experiments_run(results):
+    run = results / "runs" / "grpo-s10"
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("steps: 20", "steps: 30"))
+    _, cells = collect(results)
+    assert next(c for c in cells if c.run_id == "grpo-s10").state == "other config"

@@ -19,15 +19,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_lab.config import ConfigError, load_yaml
+from moe_lab.config import ConfigError, dump_yaml, load_yaml
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import Cell, expand
 from moe_lab.rl.runlog import (FINISHED, LOCK_FILE, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING,
-                               read_json, run_status)
+                               config_state, read_json, run_status)
 
 EXPERIMENT_FILE = "experiment.yaml"  # what the runner writes into its --out folder
 # the states a cell can be in, in the order they are printed
-STATES = ("finished", "running", "stopped", "interrupted", "failed", "not started")
+STATES = ("finished", "running", "stopped", "interrupted", "failed", "other config", "not started")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,9 @@ def cell_progress(cell: Cell, run_dir: Path, block: object) -> CellProgress:
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
     status = run_status(manifest) if manifest else None
     pid = _pid_alive(run_dir) if status == STATUS_RUNNING else None
-    if status in FINISHED:
+    if config_state(run_dir, dump_yaml(cell.config)) == "other":  # the runner refuses it without --overwrite
+        state = "other config"
+    elif status in FINISHED:
         state = "finished"
     elif status == STATUS_RUNNING:
         state = "running" if pid else "stopped"
@@ -147,8 +149,10 @@ def report(results: Path, exp: dict, cells: list[CellProgress], jobs: int | None
     lines.append("finished per arm" + (f" and {blocks.field}" if blocks else "") + ":")
     lines += ["  " + line for line in _grid(cells)]
     for c in cells:
-        if c.state in ("failed", "interrupted", "stopped"):
-            why = {"stopped": "no live process holds it: the runner resumes it from its last checkpoint"}
+        if c.state in ("failed", "interrupted", "stopped", "other config"):
+            why = {"stopped": "no live process holds it: the runner resumes it from its last checkpoint",
+                   "other config": "its folder holds a run of another config: the runner refuses it without "
+                                   "--overwrite"}
             lines.append(f"{c.run_id}: {c.state} at step {c.steps_done}/{c.steps}"
                          + (f" ({why[c.state]})" if c.state in why else ""))
     workers = jobs or len(live) or 1
