@@ -22,10 +22,11 @@ from pathlib import Path
 from moe_lab.config import ConfigError, dump_yaml, load_yaml
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import Cell, expand
+from moe_lab.launch.runner import EXPERIMENT_FILE  # what the runner writes into its --out folder
 from moe_lab.rl.runlog import (FINISHED, LOCK_FILE, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING,
                                config_state, read_json, run_status)
 
-EXPERIMENT_FILE = "experiment.yaml"  # what the runner writes into its --out folder
+
 # the states a cell can be in, in the order they are printed
 STATES = ("finished", "running", "stopped", "interrupted", "failed", "other config", "not started")
 
