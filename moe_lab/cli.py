@@ -188,6 +188,10 @@ def _compare(args) -> int:
     interim = _interim_note(Path(args.results))
     if interim:
         print(interim, file=sys.stderr)
+    from moe_lab.launch.coldstarts import mixed_notes
+
+    for line in mixed_notes(Path(args.results) / "runs"):  # a block mixing two models of one cold-start key
+        print(line, file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
     declared = load_declared(args.results, per_run=per_run)
     if len(declared) and not args.csv:  # the contrasts the experiment file fixed before its runs

@@ -150,6 +150,29 @@ def test_the_findings_tables_are_what_compare_prints(reference, capsys):
     assert printed in findings, f"paste `moe-lab compare results/reference/{reference} --baseline grpo` into findings"
 
 
+def test_a_monte_carlo_permutation_p_is_never_zero_and_ignores_which_arm_comes_first():
+    from moe_lab.analysis import endpoints
+
+    low, high = np.arange(30.0), np.arange(30.0) + 100  # 30 vs 30: past the exact limit, every split drawn is less extreme
+    p, exact = permutation_p(low, high)
+    assert not exact and p == 1 / (endpoints.MC_SAMPLES + 1)
+    rng = np.random.default_rng(7)
+    a, b = rng.normal(0, 1, 30), rng.normal(0.5, 1, 31)
+    assert permutation_p(a, b) == permutation_p(b, a)
+
+
+def test_the_monte_carlo_p_estimates_the_exact_one(monkeypatch):
+    from moe_lab.analysis import endpoints
+
+    rng = np.random.default_rng(11)
+    a, b = rng.normal(0, 1, 9), rng.normal(0.8, 1, 8)  # 24,310 splits: enumerable, and small enough to sample
+    exact_p, exact = permutation_p(a, b)
+    monkeypatch.setattr(endpoints, "EXACT_LIMIT", 100)
+    mc_p, mc_exact = permutation_p(a, b)
+    assert exact and not mc_exact
+    assert abs(mc_p - exact_p) < 5 * math.sqrt(exact_p * (1 - exact_p) / endpoints.MC_SAMPLES) + 1e-5
+
+
 def test_a_p_value_below_a_thousandth_keeps_its_digits():
     from moe_lab.analysis.endpoints import format_p, permutation_p
 

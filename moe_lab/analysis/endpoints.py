@@ -96,21 +96,27 @@ def unfinished_runs(evals: pd.DataFrame) -> list[str]:
 
 def permutation_p(a: Sequence[float], b: Sequence[float]) -> tuple[float, bool]:
     """(two-sided p of the difference of means, exact?): the share of splits of the pooled values into groups
-    of len(a) and len(b) whose |difference of means| is at least the observed one (ties within 1e-12)."""
+    of len(a) and len(b) whose |difference of means| is at least the observed one (ties within 1e-12).
+
+    Past EXACT_LIMIT splits, MC_SAMPLES random splits estimate it as (hits + 1) / (MC_SAMPLES + 1): the observed
+    split counts as one of the draws, so the estimate is a valid p and never 0 (Phipson & Smyth 2010; scipy's
+    permutation_test does the same). The draws permute the sorted pool and fill the smaller group first, so
+    p(a, b) == p(b, a): which arm is named first does not change the estimate."""
     a, b = np.asarray(a, float), np.asarray(b, float)
     if not len(a) or not len(b):
         return math.nan, True
-    pooled, n, total = np.concatenate([a, b]), len(a), len(a) + len(b)
     observed = abs(a.mean() - b.mean())
+    total, n = len(a) + len(b), min(len(a), len(b))
+    pooled = np.sort(np.concatenate([a, b]))
     exact = math.comb(total, n) <= EXACT_LIMIT
     if exact:
         idx = np.array(list(itertools.combinations(range(total), n)), dtype=np.int64)
     else:
         rng = np.random.default_rng(MC_SEED)
         idx = np.argsort(rng.random((MC_SAMPLES, total)), axis=1)[:, :n]
-    sum_a = pooled[idx].sum(axis=1)
-    diffs = np.abs(sum_a / n - (pooled.sum() - sum_a) / (total - n))
-    return float(np.mean(diffs >= observed - 1e-12)), exact
+    sum_n = pooled[idx].sum(axis=1)
+    hits = np.abs(sum_n / n - (pooled.sum() - sum_n) / (total - n)) >= observed - 1e-12
+    return (float(hits.mean()) if exact else (float(hits.sum()) + 1) / (MC_SAMPLES + 1)), exact
 
 
 def compare_arms(per_run: pd.DataFrame, baseline: str | None = None,

@@ -22,12 +22,13 @@ from matplotlib.ticker import MaxNLocator
 from moe_lab.analysis import results
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
-ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",
+ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r2w": "#8F5F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",
               "gspo_token": "#56B4E9", "gspo_r2": "#009E73", "gspo_unnormalized": "#000000",
               # the stabilizers: Okabe-Ito runs out at 8, so these take darker/lighter tones of its hues
               "sapo": "#00704F", "cispo": "#7F5200", "gmpo": "#004C7F", "rspo": "#5A2D7F",
               "grpo_icepop": "#8C8C8C", "grpo_tis": "#B8A000"}
 ARM_LABELS = {"grpo": "GRPO", "grpo_r2": "GRPO + R2 replay", "grpo_r3": "GRPO + R3 replay", "gspo": "GSPO",
+              "grpo_r2w": "GRPO + R2 replay + gate weights",
               "gspo_token": "GSPO-token", "gspo_r2": "GSPO + R2 replay", "gspo_unnormalized": "GSPO (no 1/|y|)",
               "sapo": "SAPO", "cispo": "CISPO", "gmpo": "GMPO", "rspo": "RSPO", "grpo_icepop": "GRPO + IcePop",
               "grpo_tis": "GRPO + TIS"}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lab.config import ConfigError, dump_yaml, load_yaml
+from moe_lab.launch.coldstarts import mixed_notes
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import Cell, expand
 from moe_lab.launch.runner import EXPERIMENT_FILE  # what the runner writes into its --out folder
@@ -176,5 +177,5 @@ def main(args) -> int:
     except ConfigError as exc:
         print(f"moe-lab progress: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print("\n".join(report(results, exp, cells, args.jobs)))
+    print("\n".join(report(results, exp, cells, args.jobs) + mixed_notes(results / "runs")))
     return 0 if all(c.state == "finished" for c in cells) else 1

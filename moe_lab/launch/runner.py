@@ -26,6 +26,7 @@ import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.experiment import Cell, expand
+from moe_lab.launch.coldstarts import warmed_here_notes
 from moe_lab.rl.runlog import (FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock,
                             atomic_write_text, config_state, read_json, run_status)
 
@@ -285,15 +286,20 @@ def check_same_experiment(exp: dict, out: Path, *, overwrite: bool) -> bool:
     return True
 
 
-def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: bool) -> dict[str, str]:
-    """Cold starts, then the runs of ``todo``, on ``backend`` or local workers; their run_id -> status.
+def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: bool, echo=print) -> dict[str, str]:
+    """Cold starts, then the runs of ``todo``, on ``backend`` or local workers; their run_id -> status. Between the
+    two (local workers; on a backend `moe-lab progress` tells afterwards), a line for each cold start this machine
+    warmed into another model than the folder's runs began from.
 
     On KeyboardInterrupt the unfinished runs are marked 'interrupted' and the interrupt is re-raised.
     """
     try:
         if backend is not None:
             return backend.run(todo, runs_dir, _distinct_setups(todo), progress)
-        _run_parallel(coldstart_worker, [(cfg,) for cfg in _distinct_setups(todo)], jobs, "cold start", progress)
+        setups = _distinct_setups(todo)
+        _run_parallel(coldstart_worker, [(cfg,) for cfg in setups], jobs, "cold start", progress)
+        for line in warmed_here_notes(setups, runs_dir):
+            echo(line)
         items = [(c, str(runs_dir / c.run_id)) for c in todo]
         return dict(_run_parallel(train_worker, items, jobs, "runs", progress))
     except KeyboardInterrupt:
@@ -354,7 +360,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
          f"{len(groups['new'])} new; {where} -> {out}")
     statuses = {c.run_id: finished_status(runs_dir / c.run_id) or STATUS_DONE for c in groups["done"]}
     if todo:
-        statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress))
+        statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress, echo))
     for run_id, status in statuses.items():
         if status.startswith(STATUS_LOCKED):
             echo(f"{run_id}: {status}")

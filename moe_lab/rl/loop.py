@@ -29,7 +29,7 @@ from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
 from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
-                               machine_info)
+                               machine_info, read_json)
 from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
 from moe_lab.routing import predictor
 from moe_lab.tasks import get_task, load_tokenizer
@@ -198,7 +198,7 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     # the health after the logged rows (only the writer holds them); from then on every process advances it
     # on the same global rows, so that all stop at the same step
     run_health = split.broadcast(_health(cfg, log) if log else None)
-    extra = {**split.manifest_extra(), "coldstart": recorded(cfg)}
+    extra = {**split.manifest_extra(), **provenance(read_json(log.manifest_path) if log else {}, cfg, state.step)}
     if log:
         log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, machine=machine_info(),
                            **run_health.manifest())
@@ -211,6 +211,27 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
                            **_health(cfg, log).manifest())
     split.barrier()
     return status
+
+
+def provenance(prior: dict, cfg: RunConfig, step: int) -> dict:
+    """The manifest's ``coldstart`` and ``segments`` for a run (re)starting at ``step``; ``prior``: its manifest so far.
+
+    Why: one cache key names a different model on another processor (its cold start takes other supervised steps,
+    docs/guide.md "Results that depend on the machine"), and a resumed run's weights come from its checkpoint, which
+    descends from the cold start it began from, not from what this machine's cache now holds under that key. So
+    ``coldstart`` stays the first segment's record, and each (re)start appends its step, machine and cache entry
+    to ``segments``: a run finished elsewhere says so (with ``rl.kl_coef`` > 0 its reference model after the
+    resume is the later segment's cold start). A manifest written before segments existed gives the
+    first segment what it recorded (its last start and machine)."""
+    here = {"from_step": step, "machine": machine_info(), "coldstart": recorded(cfg)}
+    if step == 0:  # a run (re)started from scratch: nothing before it survives
+        return {"coldstart": here["coldstart"], "segments": [here]}
+    segments = list(prior.get("segments") or ())
+    if not segments and "coldstart" in prior:
+        segments = [{"from_step": prior.get("resumed_from_step"), "machine": prior.get("machine"),
+                     "coldstart": prior["coldstart"]}]
+    segments.append(here)
+    return {"coldstart": segments[0]["coldstart"], "segments": segments}
 
 
 def _loop(cfg, task, models, log: RunLog | None, state: TrainState, run_dir: Path, run_health, lagged, split,
