@@ -182,13 +182,3 @@ def test_compare_prints_the_declared_contrasts_it_computes(capsys):
     primary = table[table["role"] == "primary"]
     assert (primary["holm_p"] >= primary["hypothesis_p"] - 1e-15).all()
 
-
-def test_the_findings_print_what_compare_prints_for_router_learns(capsys):
-    from pathlib import Path
-
-    from moe_lab.cli import main
-
-    assert main(["compare", "results/reference/router_learns"]) == 0
-    printed = capsys.readouterr().out.strip()
-    findings = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text(encoding="utf-8")
-    assert printed in findings, "paste `moe-lab compare results/reference/router_learns` into docs/findings.md"

@@ -140,20 +140,27 @@ def test_compare_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("reference", ["replay_rescue", "replay_rescue_confirm", "router_controls", "learning_rescue",
-                                       "router_controls_aux", "replay_map", "stabilizers_2026", "paper", "instability",
-                                       "instability_clip_off", "stabilizers", "stabilizers_clip_off"])
-def test_the_findings_tables_are_what_compare_prints(reference, capsys):
-    assert main(["compare", f"results/reference/{reference}", "--baseline", "grpo"]) == 0
+BASELINE = ("--baseline", "grpo")
+
+
+# router_learns declares its contrasts: its findings paste compare's every-pair output and the declared table
+@pytest.mark.parametrize("reference,options", [(r, BASELINE) for r in (
+    "replay_rescue", "replay_rescue_confirm", "router_controls", "learning_rescue", "router_controls_aux", "replay_map",
+    "stabilizers_2026", "paper", "instability", "instability_clip_off", "stabilizers", "stabilizers_clip_off")]
+                         + [("router_learns", ())])
+def test_the_findings_tables_are_what_compare_prints(reference, options, capsys):
+    command = ["compare", f"results/reference/{reference}", *options]
+    assert main(command) == 0
     printed = capsys.readouterr().out.strip()
     findings = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text(encoding="utf-8")
-    assert printed in findings, f"paste `moe-lab compare results/reference/{reference} --baseline grpo` into findings"
+    assert printed in findings, f"paste `moe-lab {' '.join(command)}` into findings"
 
 
 def test_a_monte_carlo_permutation_p_is_never_zero_and_ignores_which_arm_comes_first():
     from moe_lab.analysis import endpoints
 
-    low, high = np.arange(30.0), np.arange(30.0) + 100  # 30 vs 30: past the exact limit, every split drawn is less extreme
+    # 30 vs 30: past the exact limit, and every split drawn is less extreme than the observed one
+    low, high = np.arange(30.0), np.arange(30.0) + 100
     p, exact = permutation_p(low, high)
     assert not exact and p == 1 / (endpoints.MC_SAMPLES + 1)
     rng = np.random.default_rng(7)

@@ -19,16 +19,20 @@ from moe_lab.rl.runlog import read_json
 NOTE = "moe-lab: note: "
 
 
-def began_from(manifest: dict) -> dict:
-    """The cold-start record a run's weights descend from: its first segment's (moe_lab.rl.loop.provenance), else,
-    for a manifest written before segments, its ``coldstart`` (which a resume on another machine overwrote)."""
+def _first_segment(manifest: dict) -> dict:
+    """The run's first start (moe_lab.rl.loop.provenance): its first segment, else, for a manifest written before
+    segments, its top-level ``coldstart`` and ``machine`` (which a resume on another machine overwrote)."""
     segments = manifest.get("segments") or ()
-    return (segments[0].get("coldstart") if segments else manifest.get("coldstart")) or {}
+    return segments[0] if segments else manifest
+
+
+def began_from(manifest: dict) -> dict:
+    """The cold-start record a run's weights descend from."""
+    return _first_segment(manifest).get("coldstart") or {}
 
 
 def _processor(manifest: dict) -> str:
-    segments = manifest.get("segments") or ()
-    machine = (segments[0].get("machine") if segments else manifest.get("machine")) or {}
+    machine = _first_segment(manifest).get("machine") or {}
     return (machine.get("cpu") or {}).get("model_name") or "processor unknown"
 
 

@@ -199,15 +199,15 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     # on the same global rows, so that all stop at the same step
     run_health = split.broadcast(_health(cfg, log) if log else None)
     extra = {**split.manifest_extra(), **provenance(read_json(log.manifest_path) if log else {}, cfg, state.step)}
+    extra["machine"] = extra["segments"][-1]["machine"]  # this start's, as the last segment records it
     if log:
-        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, machine=machine_info(),
-                           **run_health.manifest())
+        log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, **run_health.manifest())
     reason = _loop(cfg, task, (policy, rollout_policy, ref_model, optimizer), log, state, run_dir, run_health,
                    lagged, split, _progress(range(state.step, cfg.rl.steps), progress, run_id))
     status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
     if log:
         log.flush()
-        log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **extra, machine=machine_info(),
+        log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **extra,
                            **_health(cfg, log).manifest())
     split.barrier()
     return status
