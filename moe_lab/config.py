@@ -95,6 +95,11 @@ class ColdStartConfig:
     eval_samples: int = param(128, "prompts sampled for each accuracy check", ge=1)
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient of the warm-up (the model's own "
                                       "aux loss), so the router starts balanced like a pretrained MoE's", ge=0.0)
+    bias_update_rate: float = param(0.0, "expert-bias step of the warm-up (DeepSeek-V3's aux-loss-free balancing): "
+                                         "after every optimizer step each MoE layer's correction bias moves by "
+                                         "rate * sign(mean load - load) (moe_lab/rl/expert_bias.py); 0 = never "
+                                         "updated. Families with a bias only (deepseek_v3, glm4_moe, minimax_m2, "
+                                         "dots1, deepseek_v32, ernie4_5_moe)", ge=0.0)
     cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
 
 
@@ -114,6 +119,18 @@ class RLConfig:
                                              "(prime-rl PR #3523): the router then gets no gradient from the combine")
     freeze_router: bool = param(False, "router weights get no gradient, no optimizer update and no AdamW state "
                                        "(prime-rl freeze_moe_router); optim/grad_norm then excludes them")
+    bias_update_rate: float = param(0.0, "expert-bias step during RL: after every optimizer step each MoE layer's "
+                                         "correction bias moves by rate * sign(mean load - load), the loads counted "
+                                         "over that step's update forwards (DeepSeek-V3; Megatron-LM "
+                                         "moe_router_bias_update_rate); 0 = frozen (NeMo-RL, slime). Families with a "
+                                         "bias only, as coldstart.bias_update_rate", ge=0.0)
+    bias_counts: str = param("free", "the expert loads of rl.bias_update_rate under replay: free counts the experts "
+                                     "the router itself would choose (its own top-k on the same scores), replayed "
+                                     "the ids that ran (the forced ones; verl). Equal without replay",
+                             choices=C.BIAS_COUNTS)
+    bias_count_dtype: str = param("float32", "dtype the expert loads of rl.bias_update_rate accumulate and are "
+                                             "compared in; bfloat16 loses integers above 256 (Megatron-LM #7081's "
+                                             "sign flip)", choices=C.BIAS_COUNT_DTYPES)
     clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO/LUSPO 3e-4, CISPO 1.0 = no lower "
                                          "bound, GMPO/RSPO 0.4 in log space, DPPO thresholds TV 0.15 / KL 0.05; "
                                          "SAPO/VESPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
@@ -307,6 +324,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
     rules.check_replay_options(rl)
+    rules.check_expert_bias(cfg)
     low, high = resolved_clip(rl)
     if not (0.0 <= low < (1.0 if rl.algo not in C.CLIP_LOW_UNBOUNDED else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")

@@ -49,6 +49,12 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_os
 # families whose HF config has norm_topk_prob (model.norm_topk_prob may override it); the others always renormalise
 NORM_TOPK_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "dots1",
                       "deepseek_v32")
+# families whose router chooses with a per-expert correction bias (DeepSeek-V3's aux-loss-free balancing), the
+# ones coldstart/rl.bias_update_rate may update (FamilySpec.bias says where each keeps it)
+BIAS_FAMILIES = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1", "deepseek_v32", "ernie4_5_moe")
+# rl.bias_counts: which experts a replayed update forward counts: the router's own choice, or the ids that ran
+BIAS_COUNTS = ("free", "replayed")
+BIAS_COUNT_DTYPES = ("float32", "bfloat16")  # dtype the expert-bias token counts accumulate in (Megatron #7081)
 # The single tasks; "mixture" composes several of them (task.mixture), each prompt tagged with its task.
 SINGLE_TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
 TASKS = (*SINGLE_TASKS, "mixture")

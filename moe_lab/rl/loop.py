@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
-from moe_lab.models import load_model, resolve_device
+from moe_lab.models import correction_biases, load_model, resolve_device
 from moe_lab.rl import checkpoint, health, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
+from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
 from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
@@ -65,14 +66,22 @@ def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
     return task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
 
 
+def _model_state(model) -> dict[str, torch.Tensor]:
+    """What the rollout copy samples with: the weights and the expert correction biases (state outside the
+    gradient, moved by rl.bias_update_rate), by name."""
+    return {**dict(model.named_parameters()), **correction_biases(model)}
+
+
 def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
-    """The rollout copy takes the weights it samples with, cast to the rollout dtype (bf16 mismatch knob):
-    the oldest snapshot of the lag queue (rl.rollout_lag), or the trained weights when the queue is empty."""
+    """The rollout copy takes the weights (and expert biases) it samples with, cast to the rollout dtype (bf16
+    mismatch knob): the oldest snapshot of the lag queue (rl.rollout_lag), or the trained ones when it is empty.
+    A snapshot saved before biases were snapshotted lacks them: its run never moved them (the current ones)."""
     if rollout_policy is policy:
         return
-    source = lagged[0] if lagged else dict(policy.named_parameters())
+    current = _model_state(policy)
+    source = {**current, **lagged[0]} if lagged else current
     with torch.no_grad():
-        for name, dst in rollout_policy.named_parameters():
+        for name, dst in _model_state(rollout_policy).items():
             dst.copy_(source[name])
         current = predictor.heads(policy)  # PR² heads are buffers refitted each step: the sampler routes by them
         for name, dst in predictor.heads(rollout_policy).items():
@@ -80,8 +89,9 @@ def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
 
 
 def _snapshot(policy) -> dict[str, torch.Tensor]:
-    """fp32 copy of the weights at the start of a step: what a rollout worker k steps behind would hold."""
-    return {name: p.detach().clone() for name, p in policy.named_parameters()}
+    """fp32 copy of the weights (and expert biases) at the start of a step: what a rollout worker k steps behind
+    would hold."""
+    return {name: p.detach().clone() for name, p in _model_state(policy).items()}
 
 
 def _push_snapshot(lagged: collections.deque, snapshot: dict | None, lag: int) -> None:
@@ -138,6 +148,8 @@ def _setup(cfg: RunConfig, progress: bool):
     task = get_task(cfg.task, load_tokenizer(str(model_dir)))
     policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(device)
     policy.train(False)  # no dropout: the old and new forwards must be comparable
+    if cfg.rl.bias_update_rate:  # a checkpoint's family is known only now: refused before the first step
+        ExpertBias(policy, cfg.rl.bias_update_rate, cfg.rl.bias_count_dtype)
     if cfg.rl.replay == "predictive":
         predictor.install(policy)  # before any copy and before a resume loads the saved heads
     ref_model = None
