@@ -1,8 +1,9 @@
 """Every enumeration of the project, once, torch-free: config's ``choices=`` and the registries read these.
 
-A registry (``objectives.OBJECTIVES``, ``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries;
-``tests/test_constants.py`` checks that its keys equal the names here, so adding an entry means adding
-its name here too (and the config then accepts it).
+A registry (``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries; ``tests/test_constants.py``
+checks that its keys equal the names here, so adding an entry means adding its name here too (and the config
+then accepts it). The objectives' names and traits are derived from their rows in moe_lab/objective_specs.py
+(``objectives.OBJECTIVES`` registers one function per row).
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ OBJECTIVE_CHECK = textwrap.dedent("""
     assert all("toy_pg" not in names for names in (C.PPO_CLIP_ALGOS, C.CLIP_LOW_UNBOUNDED, C.TOKEN_CLIP_ALGOS))
     fields = [f.name for f in dataclasses.fields(RLConfig)]
     assert fields[fields.index("vespo_lambda_neg") + 1] == "toy_pg_scale"
-    assert ("rl.toy_pg_scale", "1.0", "> 0.0", "toy_pg: factor on the importance-weighted policy gradient") in field_table()
+    text = "toy_pg: factor on the importance-weighted policy gradient"
+    assert ("rl.toy_pg_scale", "1.0", "> 0.0", text) in field_table()
     try:
         validate(from_dict({"rl": {"algo": "toy_pg", "toy_pg_scale": 0.0}}))
         raise AssertionError("rl.toy_pg_scale=0 accepted")

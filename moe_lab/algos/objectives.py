@@ -49,8 +49,9 @@ from moe_lab.constants import PAPER_CLIP
 from moe_lab.objective_specs import OBJECTIVE_SPECS
 
 __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "ObjectiveRegistry", "OBJECTIVES", "register",
-           "SapoParams", "RspoParams", "DppoParams", "VespoParams", "knob_names", "make_params", "RSPO_FLOOR_DEFAULT", "SAPO_TAU_POS_DEFAULT",
-           "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT", "VESPO_SHAPE_DEFAULT"]
+           "SapoParams", "RspoParams", "DppoParams", "VespoParams", "knob_names", "make_params",
+           "RSPO_FLOOR_DEFAULT", "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT",
+           "VESPO_SHAPE_DEFAULT"]
 
 
 _GRPO_METRIC_RANGE = PAPER_CLIP["grpo"]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
