@@ -19,6 +19,7 @@ import yaml
 from moe_lab import constants as C
 from moe_lab import config_rules as rules
 from moe_lab.errors import ConfigError
+from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
 from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
 from moe_lab.yaml_io import load_yaml  # noqa: F401 - re-exported: callers read YAML through config
 
@@ -103,7 +104,26 @@ class ColdStartConfig:
     cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
 
 
+def _with_objective_knobs(after: str):
+    """Class decorator (under @dataclass): a float field per objective knob, rl.<prefix>_<name>, with the default,
+    help and bounds of its one declaration (moe_lab/objective_specs.py), inserted after the field ``after``."""
+    def insert(cls: type) -> type:
+        if after not in cls.__annotations__:
+            raise TypeError(f"{cls.__name__}: no field {after!r} to put the objective knobs after")
+        annotations = {}
+        for name, tp in cls.__annotations__.items():
+            annotations[name] = tp
+            if name == after:
+                for field_name, knob in knob_fields(OBJECTIVE_SPECS).items():
+                    annotations[field_name] = "float"
+                    setattr(cls, field_name, param(knob.default, knob.help, **knob.bounds()))
+        cls.__annotations__ = annotations
+        return cls
+    return insert
+
+
 @dataclass
+@_with_objective_knobs(after="dual_clip_c")
 class RLConfig:
     algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
                       choices=C.ALGOS)
@@ -141,17 +161,7 @@ class RLConfig:
                           choices=C.LOSS_AGGS)
     dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages (grpo and gspo variants); "
                                             "None = off", gt=1.0)
-    sapo_tau_pos: float = param(1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0)
-    sapo_tau_neg: float = param(1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)", gt=0.0)
-    rspo_floor: float = param(0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma but gives "
-                                   "no value we could read; 0.5 is ours)", gt=0.0, le=1.0)
-    dppo_ratio_cap: float = param(10000.0, "DPPO (dppo_tv, dppo_kl) truncation of the detached ratio (verl's "
-                                           "clip_ratio_c; the authors' 10000 = practically off); their clip_low/high "
-                                           "are divergence thresholds", ge=1.0)
-    vespo_k_pos: float = param(2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0)
-    vespo_lambda_pos: float = param(3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0)
-    vespo_k_neg: float = param(3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0)
-    vespo_lambda_neg: float = param(2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)
+    # here: rl.<prefix>_<name>, every objective's own knobs, declared in moe_lab/objective_specs.py
     rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
                                             "truncate (tis), mask (mis) or IcePop's two-sided mask",
                                     choices=C.ROLLOUT_CORRECTION_MODES)

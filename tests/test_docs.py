@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lab.cli import _config_table
+from moe_lab.commands.config_table import config_table as _config_table
 from moe_lab.launch.experiment import expand
 from moe_lab.algos.losses import policy_loss
 from moe_lab.yaml_io import load_yaml

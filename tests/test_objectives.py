@@ -284,7 +284,7 @@ def test_registry_config_and_paper_defaults_agree():
 
 
 def test_each_objective_knob_is_the_config_field_of_its_name():
-    """An objective declares its own fields once (objectives.OBJECTIVES); the config exposes each as
+    """An objective declares its own fields once (its row in objective_specs); the config exposes each as
     rl.<algo>_<field> with the same default, bounds and help, and the step passes exactly those."""
     import dataclasses
 
