@@ -21,7 +21,7 @@ from moe_lab import config_rules as rules
 from moe_lab.errors import ConfigError
 from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
 from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
-from moe_lab.yaml_io import load_yaml  # noqa: F401 - re-exported: callers read YAML through config
+from moe_lab.yaml_io import apply_overrides, load_yaml, set_dotted  # noqa: F401 - re-exported: callers read YAML through config
 
 
 def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
@@ -373,38 +373,6 @@ def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any
         else:
             kwargs[f.name] = data[f.name]
     return cls(**kwargs)
-
-
-def _parse_scalar(text: str) -> Any:
-    value = yaml.safe_load(text) if text.strip() else ""
-    if isinstance(value, str):
-        try:  # PyYAML reads "1e-4" (no dot) as a string; users mean a number
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def set_dotted(data: dict, key: str, value: Any) -> None:
-    """data[a][b] = value for key 'a.b', creating sections as needed."""
-    node = data
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {p} is not a section")
-    node[parts[-1]] = value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `section.field=value` overrides (values parsed as YAML scalars) to a config dict."""
-    out = yaml.safe_load(yaml.safe_dump(data or {}))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected the form section.field=value, e.g. rl.algo=gspo")
-        key, text = item.split("=", 1)
-        set_dotted(out, key, _parse_scalar(text))
-    return out
 
 
 def dump_yaml(cfg: Any) -> str:
