@@ -55,3 +55,12 @@ def check_rollout_correction(rl) -> None:
     up = default_up if rl.rollout_correction_upper is None else rl.rollout_correction_upper
     if low is not None and not low < up:
         raise ConfigError(f"rl.rollout_correction_lower={low} must be < rl.rollout_correction_upper={up}")
+
+
+def check_rollout_numerics(rl, family: str) -> None:
+    """float8 and batch_variant rollouts emulate the GEMMs of fused experts laid out [E, 2I, H] without bias
+    (moe_lab/models/numerics.py); gpt_oss's experts (transposed, biased, clamped activation) are not covered."""
+    if (rl.rollout_dtype == "float8" or rl.rollout_kernels == "batch_variant") and family == "gpt_oss":
+        raise ConfigError(f"rl.rollout_dtype={rl.rollout_dtype} / rl.rollout_kernels={rl.rollout_kernels}: not "
+                          "emulated for model.family=gpt_oss (biased, transposed experts); allowed there: "
+                          "rollout_dtype float32/bfloat16 with rollout_kernels=batch_invariant")

@@ -24,6 +24,7 @@ import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
+from moe_lab.models.numerics import RolloutNumerics
 from moe_lab.rl import checkpoint, health, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.optim import build_optimizer
@@ -144,9 +145,12 @@ def _setup(cfg: RunConfig, progress: bool):
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
     rollout_policy = policy
-    if cfg.rl.rollout_dtype == "bfloat16" or cfg.rl.rollout_lag > 0:
-        rollout_dtype = getattr(torch, cfg.rl.rollout_dtype)
-        rollout_policy = copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False)
+    numerics = RolloutNumerics(float8=cfg.rl.rollout_dtype == "float8",
+                               batch_variant=cfg.rl.rollout_kernels == "batch_variant")
+    if cfg.rl.rollout_dtype != "float32" or cfg.rl.rollout_lag > 0 or numerics.active:
+        # float8 fake-quantises in an fp32 copy; the numerics replace the copy's forwards only, never the policy's
+        rollout_dtype = torch.bfloat16 if cfg.rl.rollout_dtype == "bfloat16" else torch.float32
+        rollout_policy = numerics.install(copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False))
     return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
 
 
