@@ -15,6 +15,10 @@ stacks also leave unquantised. Blocks: DeepSeek-V3 uses 128 x 128 weight blocks 
 widths of 7168; moe_lab's models are 32-256 wide, where a 128 block would be one scale per matrix, so blocks here
 are ``BLOCK`` = 32 (32 x 32 weights, 1 x 32 activation tiles): a few scales per row, as at full size.
 
+batch_invariant (the default): with float8 the emulated GEMMs take every row through the same one-row kernel
+(``row_gemm``), so a sequence's bits do not depend on its batch; a float32 or bfloat16 rollout keeps the platform's
+kernels untouched (today's bits), which on CPU are NOT batch-invariant: MKL's GEMM bits depend on the row count.
+
 batch_variant: the reductions depend on the batch, as in an engine whose kernels are not batch-invariant (vLLM
 #57016, Megatron-LM #7562). Every quantised GEMM becomes a split-K matmul whose number of K chunks follows its row
 count M (``split_k_chunks``; for an expert, M = the tokens the batch routes to it), the chunks' partial products
@@ -105,16 +109,21 @@ class RolloutNumerics:
         """x [..., K] @ w[N, K]^T with activations quantised (float8) and K split by the rows (batch_variant)."""
         if self.float8:
             x = quant_act(x)
-        if not self.batch_variant:
-            return nn.functional.linear(x, w)
-        rows, k = x.numel() // x.shape[-1], x.shape[-1]
-        parts = zip(torch.tensor_split(x, split_k_chunks(rows, k), dim=-1),
-                    torch.tensor_split(w, split_k_chunks(rows, k), dim=-1))
+        x_RK = x.reshape(-1, x.shape[-1])
+        rows, k = x_RK.shape
+        chunks = split_k_chunks(rows, k) if self.batch_variant else 1
         acc = None
-        for xc, wc in parts:
-            y = nn.functional.linear(xc, wc).float()
+        for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
+            y = row_gemm(xc, wc).float() if chunks > 1 else row_gemm(xc, wc)
             acc = y if acc is None else acc + y
-        return acc.to(x.dtype)
+        return acc.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def row_gemm(x_RK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with every row through the same one-row kernel (a bmm of R 1 x K by K x N): its bits never depend
+    on the other rows. The platform's GEMM does not give that on CPU: MKL blocks by the row count M (and the
+    threads), so one row of an [M, K] product has other bits at another M (measured with torch 2.13 CPU)."""
+    return torch.bmm(x_RK.unsqueeze(1), w_NK.t().unsqueeze(0).expand(x_RK.shape[0], -1, -1)).squeeze(1)
 
 
 def _is_fused_experts(module: nn.Module) -> bool:

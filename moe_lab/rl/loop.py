@@ -144,14 +144,18 @@ def _setup(cfg: RunConfig, progress: bool):
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
-    rollout_policy = policy
-    numerics = RolloutNumerics(float8=cfg.rl.rollout_dtype == "float8",
-                               batch_variant=cfg.rl.rollout_kernels == "batch_variant")
-    if cfg.rl.rollout_dtype != "float32" or cfg.rl.rollout_lag > 0 or numerics.active:
-        # float8 fake-quantises in an fp32 copy; the numerics replace the copy's forwards only, never the policy's
-        rollout_dtype = torch.bfloat16 if cfg.rl.rollout_dtype == "bfloat16" else torch.float32
-        rollout_policy = numerics.install(copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False))
-    return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
+    return task, policy, make_rollout_policy(policy, cfg.rl), ref_model, build_optimizer(policy, cfg.rl)
+
+
+def make_rollout_policy(policy, rl):
+    """The model the rollouts sample from: ``policy`` itself, or a copy of it in the rollout dtype (bf16, or fp32
+    with float8 GEMMs), lagged (rl.rollout_lag) or with batch-variant kernels (rl.rollout_kernels). The numerics
+    (moe_lab/models/numerics.py) replace the copy's forwards only, never the policy's."""
+    numerics = RolloutNumerics(float8=rl.rollout_dtype == "float8", batch_variant=rl.rollout_kernels == "batch_variant")
+    if rl.rollout_dtype == "float32" and rl.rollout_lag == 0 and not numerics.active:
+        return policy
+    dtype = torch.bfloat16 if rl.rollout_dtype == "bfloat16" else torch.float32
+    return numerics.install(copy.deepcopy(policy).to(dtype).requires_grad_(False))
 
 
 class PlainRun(SingleProcess):
