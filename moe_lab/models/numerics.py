@@ -90,7 +90,7 @@ class RolloutNumerics:
                 module.forward = types.MethodType(_linear_forward(self, cache), module)
             elif _is_fused_experts(module):
                 module.forward = types.MethodType(_experts_forward(self, cache), module)
-            elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            elif getattr(getattr(module, "gate_up_proj", None), "dim", lambda: 0)() == 3:
                 raise ValueError(f"rollout numerics: experts {name} ({type(module).__name__}) have a layout "
                                  "(bias or transposed weights) the emulation does not cover")
         return model
