@@ -208,7 +208,14 @@ class RLConfig:
                                      "forwards: emulates non-deterministic forwards, where repeated passes of one "
                                      "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
     rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
-                                          "rollout-vs-train mismatch", choices=C.DTYPES)
+                                          "rollout-vs-train mismatch; float8: fp32 copy whose non-router linears "
+                                          "and experts run e4m3 fake-quantised weights and activations with "
+                                          "blockwise scales (moe_lab/models/numerics.py)", choices=C.ROLLOUT_DTYPES)
+    rollout_kernels: str = param("batch_invariant", "reductions of the rollout copy: batch_invariant = the "
+                                                    "platform's kernels; batch_variant = split-K GEMMs and an MoE "
+                                                    "combine order that follow the batch, so a sequence gets other "
+                                                    "bits in another batch (a non-batch-invariant inference engine)",
+                                 choices=C.ROLLOUT_KERNELS)
     train_dtype: str = param("float32", "autocast dtype of the old-policy and update forwards; master weights, "
                                         "optimizer and log-probs stay fp32 (with rollout_dtype: every pairing)",
                              choices=C.DTYPES)
@@ -343,6 +350,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"rl.algo={rl.algo}; leave it None")
     rules.check_rollout_correction(rl)
     rules.check_mixture(cfg.task)
+    rules.check_rollout_numerics(rl, m.family)
     return cfg
 
 

@@ -69,3 +69,12 @@ def check_expert_bias(cfg) -> None:
     if rl.bias_update_rate == 0 and (rl.bias_counts != "free" or rl.bias_count_dtype != "float32"):
         raise ConfigError(f"rl.bias_counts={rl.bias_counts}/rl.bias_count_dtype={rl.bias_count_dtype} apply to "
                           "expert-bias updates; set rl.bias_update_rate > 0, or leave them at free/float32")
+
+
+def check_rollout_numerics(rl, family: str) -> None:
+    """float8 and batch_variant rollouts emulate the GEMMs of fused experts laid out [E, 2I, H] without bias
+    (moe_lab/models/numerics.py); gpt_oss's experts (transposed, biased, clamped activation) are not covered."""
+    if (rl.rollout_dtype == "float8" or rl.rollout_kernels == "batch_variant") and family == "gpt_oss":
+        raise ConfigError(f"rl.rollout_dtype={rl.rollout_dtype} / rl.rollout_kernels={rl.rollout_kernels}: not "
+                          "emulated for model.family=gpt_oss (biased, transposed experts); allowed there: "
+                          "rollout_dtype float32/bfloat16 with rollout_kernels=batch_invariant")

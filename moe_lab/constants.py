@@ -52,6 +52,10 @@ TASKS = (*SINGLE_TASKS, "mixture")
 EXPERTS_KERNELS = ("grouped_mm", "eager")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16")
+# the rollout copy may also run e4m3-fake-quantised GEMMs in fp32 (moe_lab/models/numerics.py); training may not
+ROLLOUT_DTYPES = (*DTYPES, "float8")
+# batch_invariant: the platform's own kernels (the default, unchanged); batch_variant: reductions that follow the batch
+ROLLOUT_KERNELS = ("batch_invariant", "batch_variant")
 
 # environment variables that pin the CPU kernels' ISA (ATen, MKL, oneDNN): recorded in manifests as machine.env,
 # hashed into the cold-start cache key when set, set by moe-lab run --cpu-isa (moe_lab/launch/isa.py)

@@ -36,7 +36,8 @@ def test_config_choices_are_the_constants():
     assert _choices(rl, "kl_kind") == C.KL_KINDS
     assert _choices(rl, "replay") == C.REPLAY_MODES
     assert _choices(rl, "rollout_correction") == C.ROLLOUT_CORRECTION_MODES
-    assert _choices(rl, "rollout_dtype") == _choices(rl, "train_dtype") == C.DTYPES
+    assert _choices(rl, "train_dtype") == C.DTYPES and _choices(rl, "rollout_dtype") == C.ROLLOUT_DTYPES
+    assert _choices(rl, "rollout_kernels") == C.ROLLOUT_KERNELS
     assert _choices(model, "family") == C.FAMILIES
     assert _choices(model, "experts_impl") == C.EXPERTS_KERNELS
     assert _choices(config.TaskConfig, "name") == C.TASKS

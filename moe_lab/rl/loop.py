@@ -24,6 +24,7 @@ import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import correction_biases, load_model, resolve_device
+from moe_lab.models.numerics import RolloutNumerics
 from moe_lab.rl import checkpoint, health, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.expert_bias import ExpertBias
@@ -155,11 +156,18 @@ def _setup(cfg: RunConfig, progress: bool):
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
-    rollout_policy = policy
-    if cfg.rl.rollout_dtype == "bfloat16" or cfg.rl.rollout_lag > 0:
-        rollout_dtype = getattr(torch, cfg.rl.rollout_dtype)
-        rollout_policy = copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False)
-    return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
+    return task, policy, make_rollout_policy(policy, cfg.rl), ref_model, build_optimizer(policy, cfg.rl)
+
+
+def make_rollout_policy(policy, rl):
+    """The model the rollouts sample from: ``policy`` itself, or a copy of it in the rollout dtype (bf16, or fp32
+    with float8 GEMMs), lagged (rl.rollout_lag) or with batch-variant kernels (rl.rollout_kernels). The numerics
+    (moe_lab/models/numerics.py) replace the copy's forwards only, never the policy's."""
+    numerics = RolloutNumerics(float8=rl.rollout_dtype == "float8", batch_variant=rl.rollout_kernels == "batch_variant")
+    if rl.rollout_dtype == "float32" and rl.rollout_lag == 0 and not numerics.active:
+        return policy
+    dtype = torch.bfloat16 if rl.rollout_dtype == "bfloat16" else torch.float32
+    return numerics.install(copy.deepcopy(policy).to(dtype).requires_grad_(False))
 
 
 class PlainRun(SingleProcess):
