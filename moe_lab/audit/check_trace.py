@@ -25,7 +25,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from moe_lab.formats.names import FORMATS  # torch-free: the parser is built for every command
+    from moe_lab.formats.names import FORMATS, LAYER_NUMBERINGS  # torch-free: the parser is built for every command
 
     p = sub.add_parser("check-trace", help="do the routed experts of a rollout dump (vLLM, SGLang, NeMo-RL, prime-rl, "
                                            "verl, slime) line up with a checkpoint? agreement, faults, replay check "
@@ -34,6 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                 "a moe_lab trace file (.safetensors)")
     p.add_argument("--model", required=True, metavar="DIR", help="transformers checkpoint folder (config.json)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="layout of FILE (default: detected)")
+    p.add_argument("--layers", default="auto", choices=("auto", *LAYER_NUMBERINGS),
+                   help="what the layout's layer axis numbers: the MoE layers, every decoder layer, either with the "
+                        "MTP layers appended (default: what the producer writes, docs/traces.md)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
     return p
@@ -147,16 +150,37 @@ def _summary_lines(t, n_seq: int) -> list[str]:
             f"router margin where they disagree: {margin}"]
 
 
+def _load_checkpoint(model_dir: str, device, dtype: str):
+    """``_load``, a checkpoint that cannot be loaded (config only, truncated or mismatched weights) refused as
+    bad input in one line naming the folder and its weight files."""
+    try:
+        return _load(model_dir, device, dtype)
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        files = sorted(p.name for p in Path(model_dir).expanduser().glob("*.safetensors")) or \
+            sorted(p.name for p in Path(model_dir).expanduser().glob("*.bin"))
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(f"--model={model_dir}: cannot load the checkpoint from "
+                         f"{', '.join(files) if files else 'no weight file (config.json only)'} "
+                         f"({type(exc).__name__}: {first})") from None
+
+
 def main(args) -> int:
     from moe_lab.formats.jsonl import read_input
+    from moe_lab.formats.layers import AmbiguousLayerAxis
 
     config = read_config(args.model)
     device = _device(args.device)
     if not Path(args.file).is_file():
         raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
-    sequences = read_input(args.file, config, args.format)
+    try:
+        sequences = read_input(args.file, config, args.format, getattr(args, "layers", "auto"))
+    except AmbiguousLayerAxis as exc:  # a fault of the dump, not unreadable input: exit 1 naming the flag
+        print(f"check-trace: {args.file}: layer axis not decided")
+        print(f"fault: ambiguous-layer-axis: {exc}")
+        print("agreement n/a")
+        return 1
     _check_inputs(sequences, config)
-    model = _load(args.model, device, args.dtype)
+    model = _load_checkpoint(args.model, device, args.dtype)
     kind = sequences[0].routes
     print(f"check-trace: {args.file}: {len(sequences)} sequences, layout {kind.layout}, layer axis {kind.layer_kind}")
     lines, faults, agreement = run_check(sequences, model, config, device)
