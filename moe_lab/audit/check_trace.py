@@ -98,6 +98,7 @@ def _load(model_dir: str, device, dtype: str):
 def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[list[str], list[tuple[str, str]], float]:
     """(report lines, faults, overall agreement) for sequences already read."""
     from moe_lab.audit import trace_report as rep
+    from moe_lab.audit.trace_faults import verdict
     from moe_lab.audit.trace_run import forced_trace, free_pass, replay_pass
     from moe_lab.formats.layers import moe_layer_indices, num_experts
     from moe_lab.models import moe_layers
@@ -119,11 +120,7 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
         faults.append(("duplicate-ids", f"{t.duplicates} slots repeat an expert within one token's top-k"))
     if not int(t.usable_L.sum()):
         faults.append(("no-routes", "no (layer, position) slot of any sequence carries a usable route"))
-    shifts = rep.shift_faults(checked, E, t.agreement)
-    faults += shifts
-    if not shifts and t.agreement < rep.LOW_AGREEMENT:
-        faults.append(("low-agreement", f"only {t.agreement:.4f} of the routed slots match the model's own choice "
-                                        "and no shift explains it: another checkpoint, or other tokens?"))
+    faults = verdict(checked, t, E, faults + rep.shift_faults(checked, E, t.agreement))
     for c in checked:
         c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device)
     replay_line, fault = rep.replay_fault(checked, E)
@@ -136,12 +133,9 @@ def _frac(num, den) -> str:
 
 
 def _summary_lines(t, n_seq: int) -> list[str]:
-    import torch
+    from moe_lab.audit.trace_report import margin_line
 
-    margins = torch.cat(t.margins) if t.margins else torch.empty(0)
-    margin = ("none (no disagreement)" if margins.numel() == 0 else
-              f"{margins.min():.4g} .. {margins.max():.4g} (median {margins.median():.4g}; router log-prob of its "
-              "k-th choice minus its (k+1)-th: small = a near tie, rounding; large = not the same routing)")
+    margin = margin_line(t)
     return [f"missing {_frac(t.missing, t.expected)} ({t.missing} of {t.expected} (layer, position) slots a "
             "complete trace covers)",
             f"last position not covered: {t.last_uncovered} of {n_seq} sequences (accepted: the last sampled token "
@@ -155,7 +149,7 @@ def _load_checkpoint(model_dir: str, device, dtype: str):
     bad input in one line naming the folder and its weight files."""
     try:
         return _load(model_dir, device, dtype)
-    except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - safetensors and transformers raise types of their own
         files = sorted(p.name for p in Path(model_dir).expanduser().glob("*.safetensors")) or \
             sorted(p.name for p in Path(model_dir).expanduser().glob("*.bin"))
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
