@@ -23,7 +23,7 @@ from moe_lab.formats import sglang, vllm
 from moe_lab.formats.jsonl import write_line
 from moe_lab.formats.routes import RoutedSequence, Routes
 from trace_dumps import (EXPERTS, TOP_K, forward_routes, generate_routes, layout_fields, load, older_policy,
-                         tiny_checkpoint, write_jsonl)
+                         tiny_checkpoint, tiny_multimodal_qwen35, write_jsonl)
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 11, 12], [1, 4, 4, 8, 20, 31, 6]]
 LAYOUTS = ["vllm", "vllm_split", "sglang", "nemo_rl", "prime_rl"]
@@ -76,6 +76,19 @@ def test_clean_traces_of_dense_first_families_pass_in_every_layout(dense_first, 
     code, out, err = _run(capsys, write_jsonl(tmp_path / "d.jsonl", seqs, layout, config), path)
     assert (code, err) == (0, ""), out
     assert _agreement(out) == 1.0 and "fault:" not in out
+
+
+def test_a_multimodal_qwen3_5_moe_checkpoint_is_served_through_its_text_model(tmp_path, capsys):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    path = tiny_multimodal_qwen35(tmp_path / "qwen35")
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    text_model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = {"model_type": "qwen3_5_moe_text", **json.loads((path / "config.json").read_text())["text_config"]}
+    seqs = generate_routes(text_model, PROMPTS[:2], 5)
+    code, out, err = _run(capsys, write_jsonl(tmp_path / "d.jsonl", seqs, "vllm", config), path)
+    assert (code, err) == (0, ""), out
+    assert _agreement(out) == 1.0  # the routes of the checkpoint's own language weights, not a fresh init
 
 
 def test_nemo_rl_placeholder_rows_in_dense_layers_are_no_route(dense_first, tmp_path, capsys):

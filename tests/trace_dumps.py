@@ -64,6 +64,27 @@ def tiny_checkpoint(path: Path, family: str = "qwen3_moe", seed: int = 0, **over
     return path
 
 
+def tiny_multimodal_qwen35(path: Path, seed: int = 0) -> Path:
+    """A Qwen3.5-MoE checkpoint as released (model_type qwen3_5_moe: a vision tower and text_config), tiny."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=64, num_experts=EXPERTS,
+                moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    return path
+
+
 def load(path: Path):
     config = json.loads((path / "config.json").read_text())
     return CLASSES[config["model_type"]][1].from_pretrained(path, dtype=torch.float32).eval(), config

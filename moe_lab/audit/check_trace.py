@@ -45,7 +45,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def read_config(model_dir: str) -> dict:
     """The checkpoint's config.json, checked to be a family moe_lab serves, without loading any weights."""
     from moe_lab.formats.layers import moe_layer_indices
-    from moe_lab.models.families import FAMILIES, family_of_model_type
+    from moe_lab.models.families import FAMILIES, family_of_model_type, served_config
 
     path = Path(model_dir).expanduser()
     if not (path / "config.json").is_file():
@@ -54,6 +54,7 @@ def read_config(model_dir: str) -> dict:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"--model={model_dir}: config.json is not JSON ({exc.msg})") from None
+    config = served_config(config)  # a multimodal checkpoint (qwen3_5_moe): its text model
     if family_of_model_type(config.get("model_type")) is None:
         raise ValueError(f"--model={model_dir}: model_type={config.get('model_type')!r} is not a family moe_lab "
                          f"serves; allowed {', '.join(s.model_type for s in FAMILIES.values())}")
