@@ -86,6 +86,7 @@ def test_a_multimodal_qwen3_5_moe_checkpoint_is_served_through_its_text_model(tm
     text_model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = {"model_type": "qwen3_5_moe_text", **json.loads((path / "config.json").read_text())["text_config"]}
     seqs = generate_routes(text_model, PROMPTS[:2], 5)
+    capsys.readouterr()  # the test's own saving and loading
     code, out, err = _run(capsys, write_jsonl(tmp_path / "d.jsonl", seqs, "vllm", config), path)
     assert (code, err) == (0, ""), out
     assert _agreement(out) == 1.0  # the routes of the checkpoint's own language weights, not a fresh init
