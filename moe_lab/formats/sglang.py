@@ -41,15 +41,20 @@ def ids_count(routed_experts: Any) -> int:
 def file_layers(buffers: list[tuple[int, tuple[int, ...]]], config: Any, what: str = "routed_experts") -> str:
     """One layer numbering for every SGLang buffer of a file, from (ids, the row counts its tokens allow) per
     line: the numbering (of those SGLang writes) under which most lines hold exactly the rows their tokens
-    need, then most lines hold whole rows. Decided once for the file, a truncated line reads as truncated
-    under it, never as another numbering that its length happens to fit."""
+    need, then most lines hold whole rows, then those rows are nearest the tokens'. Decided once for the
+    file, a truncated line reads as truncated under it, never as another numbering its length happens to fit."""
     k, maps = top_k(config), layer_maps(config)
     fits = {m.rows: m for kind, m in maps.items() if kind in LAYOUT_AXES["sglang"]}
-    score = {rows: (sum(n % (m.axis_len * k) == 0 and n // (m.axis_len * k) in exp for n, exp in buffers),
-                    sum(n % (m.axis_len * k) == 0 for n, _ in buffers)) for rows, m in fits.items()}
-    best = max(score.values())
-    top = [fits[rows].kind for rows, sc in score.items() if sc == best]
-    if best == (0, 0):
+
+    def score(width: int) -> tuple[int, int, int]:  # exact lines, whole-row lines, -(rows off the tokens')
+        whole = [(n // width, exp) for n, exp in buffers if n % width == 0]
+        return (sum(rows in exp for rows, exp in whole), len(whole),
+                -sum(min((abs(rows - e) for e in exp), default=0) for rows, exp in whole))
+
+    scores = {rows: score(m.axis_len * k) for rows, m in fits.items()}
+    best = max(scores.values())
+    top = [fits[rows].kind for rows, sc in scores.items() if sc == best]
+    if best[1] == 0:
         sizes = ", ".join(f"{m.axis_len} ({m.kind})" for m in fits.values())
         raise ValueError(f"{what}: {buffers[0][0]} ids fit no layer numbering SGLang writes for this model (layer "
                          f"rows allowed: {sizes}; top_k {k}); --layers names another")
