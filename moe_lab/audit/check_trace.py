@@ -9,9 +9,10 @@ engine/trainer log-prob mismatch when FILE carries the engine's log-probs, and e
 line (``fault: <name>: ...``). Then it replays the routes (R3) and checks that the experts actually run equal
 the trace's on every covered slot. The last line is ``agreement <fraction>`` (docs/traces.md).
 
-Exit codes: 0 no fault; 1 some fault; 2 bad input (one line on stderr, before any model is loaded where the
-input alone shows it: a missing file or folder, a file that is none of the layouts, a shape that fits no
-layer numbering of the model, an unsupported family).
+Exit codes: 0 no fault; 1 some fault (also a layer axis two numberings fit when neither the layout nor
+``--layers`` pins one: ``ambiguous-layer-axis``); 2 bad input (one line on stderr, before any model is loaded
+where the input alone shows it: a missing file or folder, a file that is none of the layouts, a shape that
+fits no layer numbering of the model, an unsupported family; and a checkpoint that cannot be loaded).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def main(args) -> int:
     if not Path(args.file).is_file():
         raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
     try:
-        sequences = read_input(args.file, config, args.format, getattr(args, "layers", "auto"))
+        sequences = read_input(args.file, config, args.format, args.layers)
     except AmbiguousLayerAxis as exc:  # a fault of the dump, not unreadable input: exit 1 naming the flag
         print(f"check-trace: {args.file}: layer axis not decided")
         print(f"fault: ambiguous-layer-axis: {exc}")
