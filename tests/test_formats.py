@@ -200,7 +200,8 @@ def test_numberings_of_one_length_are_pinned_by_the_layout_or_named_as_ambiguous
         with pytest.raises(AmbiguousLayerAxis, match=r"decoder and moe\+mtp .*--layers decoder\|moe\+mtp") as err:
             verl.decode_verl(r[None], torch.ones(1, 2, dtype=torch.long), config=config)
         assert err.value.kinds == ["decoder", "moe+mtp"]
-    shifted = verl.decode_verl(rows.roll(-1, dims=1)[None], torch.ones(1, 2, dtype=torch.long), config=config, layers="moe+mtp")[0]
+    shifted = verl.decode_verl(rows.roll(-1, dims=1)[None], torch.ones(1, 2, dtype=torch.long), config=config,
+                               layers="moe+mtp")[0]
     assert shifted.layer_kind == "moe+mtp" and shifted.ids_LSK[:, 0].tolist() == [[1, 2], [3, 4]]
 
 

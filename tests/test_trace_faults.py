@@ -246,3 +246,18 @@ def test_a_checkpoint_that_cannot_load_is_bad_input_in_one_line(dumped, tmp_path
     code, out, err = _run(capsys, write_jsonl(tmp_path / "d.jsonl", seqs, "vllm", config), ckpt)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert f"--model={ckpt}" in err and ("model.safetensors" in err or case == "config_only"), err
+
+
+def test_the_rounding_scale_of_a_tie_is_two_bf16_spacings_for_softmax_and_less_for_sigmoid_routers():
+    """Moving the k-th and (k+1)-th logits one bf16 spacing (of the row's largest |logit|) toward each other
+    erases 2 spacings of a softmax router's log-prob margin (the normaliser cancels) and (sigmoid(-z_k) +
+    sigmoid(-z_k+1)) spacings of a sigmoid router's (d log sigmoid(z) / dz = sigmoid(-z))."""
+    from moe_lab.audit.trace_run import tie_scale_S
+    from moe_lab.models.rules import sigmoid_router_logp, softmax_router_logp
+
+    z = torch.tensor([[3.0, 1.5, 1.25, -0.5], [-6.0, 0.7, 0.2, 0.1]])
+    spacing = torch.tensor([2.0 ** -7 * 2, 2.0 ** -7 * 4])  # bf16 eps times 2^floor(log2 max|z|): 3 -> 2, 6 -> 4
+    assert torch.allclose(tie_scale_S(softmax_router_logp, z, 2), 2 * spacing, rtol=1e-4)
+    pair = torch.tensor([[1, 2], [2, 3]])  # the 2nd and 3rd largest of each row
+    want = torch.sigmoid(-z.gather(1, pair)).sum(1) * spacing
+    assert torch.allclose(tie_scale_S(sigmoid_router_logp, z, 2), want, rtol=2e-2)

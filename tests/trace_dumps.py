@@ -21,8 +21,10 @@ VOCAB, TOP_K, EXPERTS = 48, 2, 8
 _GATE = re.compile(r"\.layers\.(\d+)\.mlp\.gate$")
 
 
-CLASSES = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
-           "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM), "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)}
+CLASSES = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+           "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+           "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)}
 _DEEPSEEK = dict(n_routed_experts=EXPERTS, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=2,
                  n_shared_experts=1)
 
@@ -93,13 +95,12 @@ def load(path: Path):
 def generate_routes(model, prompts: list[list[int]], new_tokens: int, seed: int = 0) -> list[RoutedSequence]:
     """Sample a completion per prompt with the KV cache; each router's output ids kept by the test's own
     forward hooks, over the S - 1 positions generate() forwards. Engine log-probs from the raw logits."""
-    gates = sorted(((int(m.group(1)), mod) for n, mod in model.named_modules() if (m := _GATE.search(n))),
-                   key=lambda t: t[0])
+    gates = _gates(model)
     out = []
     for i, prompt in enumerate(prompts):
         calls: list[list[torch.Tensor]] = [[] for _ in gates]
         hooks = [mod.register_forward_hook(lambda _m, _a, o, l=l: calls[l].append(o[2].detach().clone()))
-                 for l, (_, mod) in enumerate(gates)]
+                 for l, mod in enumerate(gates)]
         torch.manual_seed(seed + i)
         try:
             # an explicit mask: generate() would otherwise mask every token equal to pad_token_id

@@ -96,7 +96,8 @@ def _sorted_rows(c: Checked, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """(positions usable in every layer, the trace's rows there [P, L, K] sorted, the model's)."""
     r = c.seq.routes
     pos = usable_LS(r.ids_LSK, r.mask_LS, num_experts).all(0).nonzero().squeeze(1)
-    return pos, r.ids_LSK[:, pos].sort(-1).values.transpose(0, 1), c.free.ids_LSK[:, pos].sort(-1).values.transpose(0, 1)
+    sort = lambda ids_LSK: ids_LSK[:, pos].sort(-1).values.transpose(0, 1)  # noqa: E731
+    return pos, sort(r.ids_LSK), sort(c.free.ids_LSK)
 
 
 def _repeated_rows(checked: list[Checked], num_experts: int) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ POSITION_SHIFTS = (-2, -1, 1, 2)
 # A shift explains the trace when it agrees far better than the identity: random routing agrees ~k/E.
 SHIFT_MIN, SHIFT_GAIN, LOW_AGREEMENT = 0.5, 0.25, 0.5
 # Numerics flip a route only near a tie: within a few bf16 roundings of the router logits (the margin one
-# rounding erases, trace_run._tie_scale_S). A disagreement beyond that is another routing, not rounding.
+# rounding erases, trace_run.tie_scale_S). A disagreement beyond that is another routing, not rounding.
 NEAR_TIE_ROUNDINGS = 4.0
 FAULTS = ("trace-too-long", "trace-too-short", "missing-layer", "missing-positions", "zeroed-rows",
           "missing-routes", "out-of-range", "duplicate-ids", "dense-rows-carry-ids", "layer-shift",
@@ -52,7 +52,7 @@ class Tally:
     out_of_range: int = 0
     duplicates: int = 0
     margins: list[Tensor] = field(default_factory=list)
-    # disagreements in units of the margin one bf16 rounding erases (trace_run._tie_scale_S)
+    # disagreements in units of the margin one bf16 rounding erases (trace_run.tie_scale_S)
     roundings: list[Tensor] = field(default_factory=list)
     # [L, 2]: per MoE layer, prompt (0) and completion (1) positions: usable slots, and disagreements beyond
     # NEAR_TIE_ROUNDINGS (what numerics cannot flip)

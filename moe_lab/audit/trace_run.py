@@ -28,7 +28,7 @@ class FreePass:
     ids_LSK: Tensor  # the model's own top-k, int64
     margin_LS: Tensor  # router log-prob of its k-th choice minus its (k+1)-th: how near the set was to changing
     token_logp_S: Tensor  # log p(token s | tokens < s) for s >= 1 (entry 0 is 0), float64
-    tie_LS: Tensor | None = None  # the margin one bf16 rounding of the router logits erases (_tie_scale_S)
+    tie_LS: Tensor | None = None  # the margin one bf16 rounding of the router logits erases (tie_scale_S)
 
 
 @dataclass
@@ -52,7 +52,7 @@ def _margin_LS(logp_LSE: Tensor, k: int) -> Tensor:
     return (top[..., k - 1] - top[..., k]).cpu()
 
 
-def _tie_scale_S(router_logp, logits_NE: Tensor, k: int) -> Tensor:
+def tie_scale_S(router_logp, logits_NE: Tensor, k: int) -> Tensor:
     """How much of a row's margin one bf16 rounding erases: engines run routers in bf16 (or on bf16 hidden
     states), so the k-th and (k+1)-th logits each move by up to one bf16 spacing at the row's largest |logit|;
     the margin moved toward the tie by that, in the margin's own units (the family's router log-probs)."""
@@ -70,7 +70,7 @@ def _tie_scale_S(router_logp, logits_NE: Tensor, k: int) -> Tensor:
 @contextmanager
 def margin_probe(model: nn.Module) -> Iterator[list[list[Tensor]]]:
     """Forward hooks on the routers keeping, per call, each row's margin (``_margin_LS``) from the family's
-    router log-probs and its rounding scale (``_tie_scale_S``): (2, S) per layer, never the dense (S, E) log-probs
+    router log-probs and its rounding scale (``tie_scale_S``): (2, S) per layer, never the dense (S, E) log-probs
     (a long sequence of a large model)."""
     seen: list[list[Tensor]] = []
     handles = []
@@ -80,7 +80,7 @@ def margin_probe(model: nn.Module) -> Iterator[list[list[Tensor]]]:
         def hook(router, args, output, store=seen[-1], family=layer.family):
             logp_NE = family.router_logp(output[0].detach())
             store.append(torch.stack([_margin_LS(logp_NE[None], router.top_k)[0],
-                                      _tie_scale_S(family.router_logp, output[0], router.top_k)]))
+                                      tie_scale_S(family.router_logp, output[0], router.top_k)]))
         handles.append(layer.router.register_forward_hook(hook))
     try:
         yield seen
