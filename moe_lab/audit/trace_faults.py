@@ -80,7 +80,7 @@ def _only_row0(checked: list[Checked]) -> bool:
 def _layer0_overwritten(checked: list[Checked], t: Tally) -> tuple[str, str] | None:
     L = t.agree_L.shape[0]
     rest = float(t.agree_L[1:].sum()) / float(t.usable_L[1:].sum()) if int(t.usable_L[1:].sum()) else float("nan")
-    if _only_row0(checked) and float(t.agree_L.sum()) >= AGREE * float(t.usable_L.sum()):
+    if _only_row0(checked) and int(t.usable_L.sum()) and float(t.agree_L.sum()) >= AGREE * float(t.usable_L.sum()):
         return ("layer0-overwritten", "layer row 0, a dense layer by the model's config, carries expert ids while "
                                       f"every MoE layer agrees ({t.agreement:.4f}): a draft / MTP router's capture "
                                       "written into layer 0 (vLLM #48622)")
