@@ -12,7 +12,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig
 
 from moe_lab.formats import nemo_rl, prime_rl, sglang, slime, verl, vllm
 from moe_lab.formats.jsonl import detect_line, parse_line, read_input, write_line
-from moe_lab.formats.layers import layer_map, layer_maps, moe_layer_indices
+from moe_lab.formats.layers import AmbiguousLayerAxis, layer_map, layer_maps, moe_layer_indices
 from moe_lab.formats.native import save_with_tokens
 from moe_lab.formats.routes import Routes, RoutedSequence, to_trace
 from moe_lab.routing import record, replay
@@ -187,14 +187,22 @@ def test_to_trace_refuses_missing_routes():
     assert to_trace([full], num_experts=EXPERTS, family="qwen3_moe").shape == (2, 1, 4, TOP_K)
 
 
-def test_numberings_of_one_length_are_told_apart_by_the_zero_dense_row_or_refused():
-    """One dense layer and one MTP layer: `decoder` and `moe+mtp` both have 3 rows."""
+def test_numberings_of_one_length_are_pinned_by_the_layout_or_named_as_ambiguous():
+    """One dense layer and one MTP layer (GLM-4.5-Air's shape): `decoder` and `moe+mtp` both have 3 rows, and
+    the same bytes read either way (a dense row 0 or an unused MTP row 2 are both all zero). vLLM writes the
+    backbone only (pinned: `decoder`); an unpinned layout (verl rows) names both readings and the flag;
+    `layers=` picks one."""
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1,
               "num_nextn_predict_layers": 1, "num_experts_per_tok": 2, "n_routed_experts": 8}
     rows = torch.tensor([[[0, 0], [1, 2], [3, 4]], [[0, 0], [5, 6], [7, 1]]])
-    assert vllm.decode_vllm(rows, config=config).layer_kind == "decoder"
-    with pytest.raises(ValueError, match=r"fit several layer numberings .*decoder, moe\+mtp"):
-        vllm.decode_vllm(rows.roll(1, dims=1) + 1, config=config)
+    for r in (rows, rows.roll(-1, dims=1)):  # the decoder axis, and the same routes one row early
+        assert vllm.decode_vllm(r, config=config).layer_kind == "decoder"
+        with pytest.raises(AmbiguousLayerAxis, match=r"decoder and moe\+mtp .*--layers decoder\|moe\+mtp") as err:
+            verl.decode_verl(r[None], torch.ones(1, 2, dtype=torch.long), config=config)
+        assert err.value.kinds == ["decoder", "moe+mtp"]
+    shifted = verl.decode_verl(rows.roll(-1, dims=1)[None], torch.ones(1, 2, dtype=torch.long), config=config,
+                               layers="moe+mtp")[0]
+    assert shifted.layer_kind == "moe+mtp" and shifted.ids_LSK[:, 0].tolist() == [[1, 2], [3, 4]]
 
 
 def test_a_trace_file_without_its_tokens_and_a_pickle_are_refused_in_one_line(tmp_path):

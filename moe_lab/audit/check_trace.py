@@ -9,9 +9,10 @@ engine/trainer log-prob mismatch when FILE carries the engine's log-probs, and e
 line (``fault: <name>: ...``). Then it replays the routes (R3) and checks that the experts actually run equal
 the trace's on every covered slot. The last line is ``agreement <fraction>`` (docs/traces.md).
 
-Exit codes: 0 no fault; 1 some fault; 2 bad input (one line on stderr, before any model is loaded where the
-input alone shows it: a missing file or folder, a file that is none of the layouts, a shape that fits no
-layer numbering of the model, an unsupported family).
+Exit codes: 0 no fault; 1 some fault (also a layer axis two numberings fit when neither the layout nor
+``--layers`` pins one: ``ambiguous-layer-axis``); 2 bad input (one line on stderr, before any model is loaded
+where the input alone shows it: a missing file or folder, a file that is none of the layouts, a shape that
+fits no layer numbering of the model, an unsupported family; and a checkpoint that cannot be loaded).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from moe_lab.formats.names import FORMATS  # torch-free: the parser is built for every command
+    from moe_lab.formats.names import FORMATS, LAYER_NUMBERINGS  # torch-free: the parser is built for every command
 
     p = sub.add_parser("check-trace", help="do the routed experts of a rollout dump (vLLM, SGLang, NeMo-RL, prime-rl, "
                                            "verl, slime) line up with a checkpoint? agreement, faults, replay check "
@@ -34,6 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                 "a moe_lab trace file (.safetensors)")
     p.add_argument("--model", required=True, metavar="DIR", help="transformers checkpoint folder (config.json)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="layout of FILE (default: detected)")
+    p.add_argument("--layers", default="auto", choices=("auto", *LAYER_NUMBERINGS),
+                   help="what the layout's layer axis numbers: the MoE layers, every decoder layer, either with the "
+                        "MTP layers appended (default: what the producer writes, docs/traces.md)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
     return p
@@ -42,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def read_config(model_dir: str) -> dict:
     """The checkpoint's config.json, checked to be a family moe_lab serves, without loading any weights."""
     from moe_lab.formats.layers import moe_layer_indices
-    from moe_lab.models.families import FAMILIES, family_of_model_type
+    from moe_lab.models.families import FAMILIES, family_of_model_type, served_config
 
     path = Path(model_dir).expanduser()
     if not (path / "config.json").is_file():
@@ -51,6 +55,7 @@ def read_config(model_dir: str) -> dict:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"--model={model_dir}: config.json is not JSON ({exc.msg})") from None
+    config = served_config(config)  # a multimodal checkpoint (qwen3_5_moe): its text model
     if family_of_model_type(config.get("model_type")) is None:
         raise ValueError(f"--model={model_dir}: model_type={config.get('model_type')!r} is not a family moe_lab "
                          f"serves; allowed {', '.join(s.model_type for s in FAMILIES.values())}")
@@ -95,6 +100,7 @@ def _load(model_dir: str, device, dtype: str):
 def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[list[str], list[tuple[str, str]], float]:
     """(report lines, faults, overall agreement) for sequences already read."""
     from moe_lab.audit import trace_report as rep
+    from moe_lab.audit.trace_faults import verdict
     from moe_lab.audit.trace_run import forced_trace, free_pass, replay_pass
     from moe_lab.formats.layers import moe_layer_indices, num_experts
     from moe_lab.models import moe_layers
@@ -116,11 +122,7 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
         faults.append(("duplicate-ids", f"{t.duplicates} slots repeat an expert within one token's top-k"))
     if not int(t.usable_L.sum()):
         faults.append(("no-routes", "no (layer, position) slot of any sequence carries a usable route"))
-    shifts = rep.shift_faults(checked, E, t.agreement)
-    faults += shifts
-    if not shifts and t.agreement < rep.LOW_AGREEMENT:
-        faults.append(("low-agreement", f"only {t.agreement:.4f} of the routed slots match the model's own choice "
-                                        "and no shift explains it: another checkpoint, or other tokens?"))
+    faults = verdict(checked, t, E, faults + rep.shift_faults(checked, E, t.agreement))
     for c in checked:
         c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device)
     replay_line, fault = rep.replay_fault(checked, E)
@@ -133,12 +135,9 @@ def _frac(num, den) -> str:
 
 
 def _summary_lines(t, n_seq: int) -> list[str]:
-    import torch
+    from moe_lab.audit.trace_report import margin_line
 
-    margins = torch.cat(t.margins) if t.margins else torch.empty(0)
-    margin = ("none (no disagreement)" if margins.numel() == 0 else
-              f"{margins.min():.4g} .. {margins.max():.4g} (median {margins.median():.4g}; router log-prob of its "
-              "k-th choice minus its (k+1)-th: small = a near tie, rounding; large = not the same routing)")
+    margin = margin_line(t)
     return [f"missing {_frac(t.missing, t.expected)} ({t.missing} of {t.expected} (layer, position) slots a "
             "complete trace covers)",
             f"last position not covered: {t.last_uncovered} of {n_seq} sequences (accepted: the last sampled token "
@@ -147,16 +146,37 @@ def _summary_lines(t, n_seq: int) -> list[str]:
             f"router margin where they disagree: {margin}"]
 
 
+def _load_checkpoint(model_dir: str, device, dtype: str):
+    """``_load``, a checkpoint that cannot be loaded (config only, truncated or mismatched weights) refused as
+    bad input in one line naming the folder and its weight files."""
+    try:
+        return _load(model_dir, device, dtype)
+    except Exception as exc:  # noqa: BLE001 - safetensors and transformers raise types of their own
+        files = sorted(p.name for p in Path(model_dir).expanduser().glob("*.safetensors")) or \
+            sorted(p.name for p in Path(model_dir).expanduser().glob("*.bin"))
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(f"--model={model_dir}: cannot load the checkpoint from "
+                         f"{', '.join(files) if files else 'no weight file (config.json only)'} "
+                         f"({type(exc).__name__}: {first})") from None
+
+
 def main(args) -> int:
     from moe_lab.formats.jsonl import read_input
+    from moe_lab.formats.layers import AmbiguousLayerAxis
 
     config = read_config(args.model)
     device = _device(args.device)
     if not Path(args.file).is_file():
         raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
-    sequences = read_input(args.file, config, args.format)
+    try:
+        sequences = read_input(args.file, config, args.format, args.layers)
+    except AmbiguousLayerAxis as exc:  # a fault of the dump, not unreadable input: exit 1 naming the flag
+        print(f"check-trace: {args.file}: layer axis not decided")
+        print(f"fault: ambiguous-layer-axis: {exc}")
+        print("agreement n/a")
+        return 1
     _check_inputs(sequences, config)
-    model = _load(args.model, device, args.dtype)
+    model = _load_checkpoint(args.model, device, args.dtype)
     kind = sequences[0].routes
     print(f"check-trace: {args.file}: {len(sequences)} sequences, layout {kind.layout}, layer axis {kind.layer_kind}")
     lines, faults, agreement = run_check(sequences, model, config, device)

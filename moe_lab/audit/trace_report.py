@@ -17,12 +17,18 @@ from moe_lab.audit.trace_run import FreePass, ReplayPass, usable_LS
 from moe_lab.formats.routes import RoutedSequence
 
 Tensor = torch.Tensor
-SHIFTS = (-2, -1, 1, 2)
+POSITION_SHIFTS = (-2, -1, 1, 2)
 # A shift explains the trace when it agrees far better than the identity: random routing agrees ~k/E.
 SHIFT_MIN, SHIFT_GAIN, LOW_AGREEMENT = 0.5, 0.25, 0.5
+# Numerics flip a route only near a tie: within a few bf16 roundings of the router logits (the margin one
+# rounding erases, trace_run.tie_scale_S). A disagreement beyond that is another routing, not rounding.
+NEAR_TIE_ROUNDINGS = 4.0
 FAULTS = ("trace-too-long", "trace-too-short", "missing-layer", "missing-positions", "zeroed-rows",
           "missing-routes", "out-of-range", "duplicate-ids", "dense-rows-carry-ids", "layer-shift",
-          "position-shift", "completion-only", "no-routes", "low-agreement", "replay-no-effect")
+          "position-shift", "completion-only", "no-routes", "low-agreement", "replay-no-effect",
+          # the agreement verdict and detectors of audit.trace_faults; a layer axis two numberings fit
+          "stale-routes", "stale-prompt", "physical-ids", "repeated-rows", "layer0-overwritten",
+          "ambiguous-layer-axis")
 
 
 @dataclass
@@ -46,6 +52,12 @@ class Tally:
     out_of_range: int = 0
     duplicates: int = 0
     margins: list[Tensor] = field(default_factory=list)
+    # disagreements in units of the margin one bf16 rounding erases (trace_run.tie_scale_S)
+    roundings: list[Tensor] = field(default_factory=list)
+    # [L, 2]: per MoE layer, prompt (0) and completion (1) positions: usable slots, and disagreements beyond
+    # NEAR_TIE_ROUNDINGS (what numerics cannot flip)
+    usable_LR: Tensor | None = None
+    far_LR: Tensor | None = None
 
     @property
     def agreement(self) -> float:
@@ -72,7 +84,8 @@ def expected_LS(seq: RoutedSequence) -> Tensor:
 
 def tally(checked: list[Checked], num_experts: int) -> Tally:
     L = checked[0].seq.routes.num_layers
-    t = Tally(torch.zeros(L, dtype=torch.long), torch.zeros(L, dtype=torch.long))
+    t = Tally(torch.zeros(L, dtype=torch.long), torch.zeros(L, dtype=torch.long),
+              usable_LR=torch.zeros(L, 2, dtype=torch.long), far_LR=torch.zeros(L, 2, dtype=torch.long))
     for c in checked:
         r = c.seq.routes
         use = usable_LS(r.ids_LSK, r.mask_LS, num_experts)
@@ -87,7 +100,33 @@ def tally(checked: list[Checked], num_experts: int) -> Tally:
         t.out_of_range += int((r.mask_LS & ~ids_ok).sum())
         t.duplicates += int((r.mask_LS & ids_ok & duplicate_LS(r.ids_LSK)).sum())
         t.margins.append(c.free.margin_LS[use & ~same])
+        _tally_ties(t, c, use, use & ~same)
     return t
+
+
+def margin_line(t: Tally) -> str:
+    """The margin distribution of the disagreements: in router log-prob and in bf16 roundings of a tie."""
+    margins = torch.cat(t.margins) if t.margins else torch.empty(0)
+    if margins.numel() == 0:
+        return "none (no disagreement)"
+    r = torch.cat(t.roundings)
+    q = torch.quantile(r.clamp_max(1e30).double(), torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64))
+    near = int((r <= NEAR_TIE_ROUNDINGS).sum())
+    return (f"{margins.numel()} slots, {margins.min():.4g} .. {margins.max():.4g} (median {margins.median():.4g}; "
+            "router log-prob of its k-th choice minus its (k+1)-th); in bf16 roundings of a tie min/q1/median/q3/max "
+            f"{' / '.join(f'{v:.3g}' for v in q.tolist())}: {near} within {NEAR_TIE_ROUNDINGS:g} (numerics can "
+            f"flip those), {margins.numel() - near} beyond (another routing)")
+
+
+def _tally_ties(t: Tally, c: Checked, use: Tensor, differ: Tensor) -> None:
+    tie = c.free.tie_LS if c.free.tie_LS is not None else torch.zeros_like(c.free.margin_LS)
+    ratio = c.free.margin_LS / tie.clamp_min(torch.finfo(torch.float32).tiny)
+    t.roundings.append(ratio[differ])
+    far = differ & (ratio > NEAR_TIE_ROUNDINGS)
+    completion = torch.arange(use.shape[1]) >= c.seq.prompt_len
+    for region, cols in enumerate((~completion, completion)):
+        t.usable_LR[:, region] += use[:, cols].sum(1)
+        t.far_LR[:, region] += far[:, cols].sum(1)
 
 
 def _shifted_agreement(checked: list[Checked], num_experts: int, axis: int, d: int | None) -> float:
@@ -116,8 +155,12 @@ def _explains(shifted: float, identity: float) -> bool:
 
 def shift_faults(checked: list[Checked], num_experts: int, identity: float) -> list[tuple[str, str]]:
     out = []
+    L = checked[0].seq.routes.num_layers
+    # every offset the config allows along the MoE layers (first_k_dense_replace=3 shifts by 3)
+    layer_shifts = [d for d in range(1 - L, L) if d]
     for axis, name, what in ((0, "layer-shift", "MoE layer"), (1, "position-shift", "position")):
-        best = max(((_shifted_agreement(checked, num_experts, axis, d), d) for d in SHIFTS), default=(0.0, 0))
+        shifts = layer_shifts if axis == 0 else POSITION_SHIFTS
+        best = max(((_shifted_agreement(checked, num_experts, axis, d), d) for d in shifts), default=(0.0, 0))
         if _explains(best[0], identity):
             hint = ("a dense or MTP layer counted, or not counted, in the layer axis" if axis == 0 else
                     "the routes belong to the next or previous token (an off-by-one start)")

@@ -28,6 +28,7 @@ class FreePass:
     ids_LSK: Tensor  # the model's own top-k, int64
     margin_LS: Tensor  # router log-prob of its k-th choice minus its (k+1)-th: how near the set was to changing
     token_logp_S: Tensor  # log p(token s | tokens < s) for s >= 1 (entry 0 is 0), float64
+    tie_LS: Tensor | None = None  # the margin one bf16 rounding of the router logits erases (tie_scale_S)
 
 
 @dataclass
@@ -51,10 +52,26 @@ def _margin_LS(logp_LSE: Tensor, k: int) -> Tensor:
     return (top[..., k - 1] - top[..., k]).cpu()
 
 
+def tie_scale_S(router_logp, logits_NE: Tensor, k: int) -> Tensor:
+    """How much of a row's margin one bf16 rounding erases: engines run routers in bf16 (or on bf16 hidden
+    states), so the k-th and (k+1)-th logits each move by up to one bf16 spacing at the row's largest |logit|;
+    the margin moved toward the tie by that, in the margin's own units (the family's router log-probs)."""
+    z = logits_NE.detach().float()
+    if z.shape[-1] <= k:
+        return torch.ones(z.shape[0])
+    top = z.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(top)))
+    pair = router_logp(z).topk(k + 1, dim=-1).indices[:, k - 1:]  # the k-th and (k+1)-th choices
+    moved = z.scatter_add(1, pair, torch.cat([-ulp, ulp], dim=1))
+    before, after = router_logp(z).gather(1, pair), router_logp(moved).gather(1, pair)
+    return ((before[:, 0] - before[:, 1]) - (after[:, 0] - after[:, 1])).abs().cpu()
+
+
 @contextmanager
 def margin_probe(model: nn.Module) -> Iterator[list[list[Tensor]]]:
     """Forward hooks on the routers keeping, per call, each row's margin (``_margin_LS``) from the family's
-    router log-probs: (S,) per layer, never the dense (S, E) log-probs (a long sequence of a large model)."""
+    router log-probs and its rounding scale (``tie_scale_S``): (2, S) per layer, never the dense (S, E) log-probs
+    (a long sequence of a large model)."""
     seen: list[list[Tensor]] = []
     handles = []
     for layer in moe_layers(model):
@@ -62,7 +79,8 @@ def margin_probe(model: nn.Module) -> Iterator[list[list[Tensor]]]:
 
         def hook(router, args, output, store=seen[-1], family=layer.family):
             logp_NE = family.router_logp(output[0].detach())
-            store.append(_margin_LS(logp_NE[None], router.top_k)[0])
+            store.append(torch.stack([_margin_LS(logp_NE[None], router.top_k)[0],
+                                      tie_scale_S(family.router_logp, output[0], router.top_k)]))
         handles.append(layer.router.register_forward_hook(hook))
     try:
         yield seen
@@ -77,7 +95,8 @@ def free_pass(model: nn.Module, tokens_S: Tensor, device: torch.device) -> FreeP
     with record(model, weights=False) as trace, margin_probe(model) as margins:
         logits = model(input_ids=input_ids).logits
     ids_LSK = trace.indices[:, 0].long().cpu()
-    return FreePass(ids_LSK, torch.stack([torch.cat(m) for m in margins]), _token_logp(logits, tokens_S))
+    probe_L2S = torch.stack([torch.cat(m, dim=1) for m in margins])
+    return FreePass(ids_LSK, probe_L2S[:, 0], _token_logp(logits, tokens_S), probe_L2S[:, 1])
 
 
 def usable_LS(ids_LSK: Tensor, mask_LS: Tensor, num_experts: int) -> Tensor:

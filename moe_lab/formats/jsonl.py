@@ -23,9 +23,10 @@ from typing import Any, Callable
 import torch
 
 from moe_lab.formats import nemo_rl, prime_rl
+from moe_lab.formats.layers import AmbiguousLayerAxis
 from moe_lab.formats.names import FILE_FORMATS, FORMATS, LINE_FORMATS
 from moe_lab.formats.routes import Routes, RoutedSequence, decode
-from moe_lab.formats.sglang import decode_sglang
+from moe_lab.formats.sglang import decode_sglang, file_layers, ids_count
 from moe_lab.formats.vllm import decode_vllm
 
 
@@ -57,21 +58,21 @@ def _start(line: dict) -> int:
     return start
 
 
-def _decode_line(layout: str, line: dict, config: Any, n: int) -> Routes:
+def _decode_line(layout: str, line: dict, config: Any, n: int, layers: str) -> Routes:
     value = line.get("routed_experts")
     if layout == "vllm":
-        return decode_vllm(value if value is not None else [], config=config, num_tokens=n,
+        return decode_vllm(value if value is not None else [], config=config, num_tokens=n, layers=layers,
                            prompt_routed_experts=line.get("prompt_routed_experts"))
     if layout == "sglang":
-        return decode_sglang(value, config=config, num_tokens=n, start=_start(line))
+        return decode_sglang(value, config=config, num_tokens=n, start=_start(line), layers=layers)
     if layout == "nemo_rl":
-        return nemo_rl.decode_nemo_rl(value, config=config, num_tokens=n)
+        return nemo_rl.decode_nemo_rl(value, config=config, num_tokens=n, layers=layers)
     if layout == "prime_rl":
         if not prime_rl.is_prime_rl(value):
             raise ValueError("routed_experts: expected a prime-rl object with data and shape")
-        return prime_rl.decode_prime_rl(value, config=config, num_tokens=n)
+        return prime_rl.decode_prime_rl(value, config=config, num_tokens=n, layers=layers)
     if layout == "verl":
-        return decode(value, config, num_tokens=n, layout="verl")
+        return decode(value, config, num_tokens=n, layout="verl", layers=layers)
     raise ValueError(f"format={layout!r}; allowed {', '.join(LINE_FORMATS)} on a JSONL line")
 
 
@@ -99,34 +100,73 @@ def _logprobs(line: dict, n_completion: int) -> torch.Tensor | None:
     return torch.tensor(value, dtype=torch.float64) if _numbers(value, n_completion) else None
 
 
-def parse_line(line: dict, config: Any, layout: str = "auto", where: str = "") -> RoutedSequence:
+def _checked(line: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(line, dict):
         raise ValueError("expected a JSON object with prompt_ids, completion_ids and routed_experts")
     prompt, completion = _ids(line, "prompt_ids"), _ids(line, "completion_ids")
     if "routed_experts" not in line:
         raise ValueError("routed_experts: missing")
+    return prompt, completion
+
+
+def parse_line(line: dict, config: Any, layout: str = "auto", where: str = "", layers: str = "auto") -> RoutedSequence:
+    prompt, completion = _checked(line)
     layout = detect_line(line) if layout == "auto" else layout
     tokens = torch.cat([prompt, completion])
-    routes = _decode_line(layout, line, config, tokens.numel())
+    routes = _decode_line(layout, line, config, tokens.numel(), layers)
     return RoutedSequence(tokens, prompt.numel(), routes, _logprobs(line, completion.numel()), where)
 
 
-def read_jsonl(path: str | Path, config: Any, layout: str = "auto") -> list[RoutedSequence]:
-    """Every line of a JSONL dump; a bad line raises ValueError naming FILE line N."""
-    out = []
+def _sglang_layers(lines: list[tuple[str, Any]], config: Any, layout: str, layers: str) -> str:
+    """SGLang's layer numbering decided once for the file (formats.sglang.file_layers), else ``layers``."""
+    buffers = []
+    for where, line in lines:
+        try:
+            if layers != "auto" or (layout if layout != "auto" else detect_line(line)) != "sglang":
+                continue
+            prompt, completion = _checked(line)
+        except ValueError:
+            continue  # reported with its line when the line is read
+        value = line["routed_experts"]
+        if isinstance(value, (str, bytes)):
+            buffers.append((ids_count(value), (prompt.numel() + completion.numel() - 1 - _start(line),
+                                               prompt.numel() + completion.numel() - _start(line))))
+    return file_layers(buffers, config) if buffers else layers
+
+
+def _where(where: str, exc: ValueError) -> ValueError:
+    """The error again, prefixed with FILE line N (an ambiguous layer axis stays one)."""
+    if isinstance(exc, AmbiguousLayerAxis):
+        return AmbiguousLayerAxis(f"{where}: routed_experts", exc.axis_len, exc.kinds)
+    return ValueError(f"{where}: {exc}")
+
+
+def read_jsonl(path: str | Path, config: Any, layout: str = "auto", layers: str = "auto") -> list[RoutedSequence]:
+    """Every line of a JSONL dump; a bad line raises ValueError naming FILE line N. ``layers``: the layer
+    numbering (``--layers``; "auto": the one the layout writes, for SGLang decided once for the file)."""
+    lines = []
     with open(path, encoding="utf-8") as fh:
         for n, text in enumerate(fh, 1):
             if not text.strip():
                 continue
             where = f"{path} line {n}"
             try:
-                out.append(parse_line(json.loads(text), config, layout, where))
+                lines.append((where, json.loads(text)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not JSON ({exc.msg}); expected one JSON object a line") from None
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
-    if not out:
+    if not lines:
         raise ValueError(f"{path}: no sequences (expected JSONL, one object a line, or a moe_lab trace file)")
+    try:
+        sg_layers = _sglang_layers(lines, config, layout, layers)
+    except ValueError as exc:
+        raise _where(f"{path}", exc) from None
+    out = []
+    for where, line in lines:
+        try:
+            kind = layout if layout != "auto" else detect_line(line)
+            out.append(parse_line(line, config, layout, where, sg_layers if kind == "sglang" else layers))
+        except ValueError as exc:
+            raise _where(where, exc) from None
     return out
 
 
@@ -143,7 +183,7 @@ def file_format(path: Path, layout: str) -> str:
     return "jsonl"
 
 
-def read_input(path: str | Path, config: Any, layout: str = "auto") -> list[RoutedSequence]:
+def read_input(path: str | Path, config: Any, layout: str = "auto", layers: str = "auto") -> list[RoutedSequence]:
     """Any check-trace input -> its sequences (nothing loaded but the file)."""
     path = Path(path)
     if not path.is_file():
@@ -151,8 +191,8 @@ def read_input(path: str | Path, config: Any, layout: str = "auto") -> list[Rout
     kind = file_format(path, layout)
     readers: dict[str, Callable[[], list[RoutedSequence]]] = {
         "trace": lambda: _read_trace(path, config),
-        "slime": lambda: _read_slime(path, config),
-        "jsonl": lambda: read_jsonl(path, config, layout),
+        "slime": lambda: _read_slime(path, config, layers),
+        "jsonl": lambda: read_jsonl(path, config, layout, layers),
     }
     return readers[kind]()
 
@@ -168,10 +208,10 @@ def _read_trace(path: Path, config: Any) -> list[RoutedSequence]:
         raise ValueError(f"{path}: not a moe_lab trace file ({type(exc).__name__}: {exc})") from None
 
 
-def _read_slime(path: Path, config: Any) -> list[RoutedSequence]:
+def _read_slime(path: Path, config: Any, layers: str) -> list[RoutedSequence]:
     from moe_lab.formats.slime import read_slime
 
-    return read_slime(path, config)
+    return read_slime(path, config, layers)
 
 
 def write_line(seq: RoutedSequence, line_routes: dict) -> str:

@@ -122,6 +122,16 @@ def num_experts(config: Any) -> int:
     raise ValueError("config: no num_experts / n_routed_experts / num_local_experts / moe_num_experts field")
 
 
+# The layer numberings each producer's capture writes (docs/traces.md cites the code): the engines' capture
+# buffers are [tokens, num_hidden_layers, top_k] (or the MoE layers only, in the vLLM versions NeMo-RL reads),
+# never with MTP rows appended. verl writes no file: a JSONL of its tensor is the user's own dump, not pinned.
+BACKBONE = ("moe", "decoder")
+LAYOUT_AXES: dict[str, tuple[str, ...] | None] = {
+    "vllm": BACKBONE, "sglang": BACKBONE, "nemo_rl": BACKBONE, "prime_rl": BACKBONE, "slime": BACKBONE,
+    "verl": None,
+}
+
+
 @dataclass(frozen=True)
 class LayerMap:
     """How a layout's layer axis of length ``axis_len`` maps onto the model's MoE layers.
@@ -154,30 +164,42 @@ def layer_maps(config: Any) -> dict[str, LayerMap]:
     return maps
 
 
-def layer_map(config: Any, axis_len: int, kind: str = "auto", *, what: str = "routed_experts",
-              zero_rows: frozenset[int] | None = None) -> LayerMap:
-    """The numbering a layer axis of ``axis_len`` rows follows; ``kind`` names one, "auto" picks by length.
+class AmbiguousLayerAxis(ValueError):
+    """More than one layer numbering of the model fits the axis and neither the layout nor ``--layers`` pins one:
+    the same bytes read two ways (e.g. ``decoder`` and ``moe+mtp`` with one dense and one MTP layer)."""
 
-    Two numberings of one length with different rows (one dense layer and one MTP layer: ``decoder`` and
-    ``moe+mtp``) are told apart by ``zero_rows``, the rows that hold only zeros: dense rows are zero-filled.
+    def __init__(self, what: str, axis_len: int, kinds: list[str]):
+        self.axis_len, self.kinds = axis_len, kinds
+        super().__init__(f"{what}: {axis_len} layer rows fit the layer numberings {' and '.join(kinds)} of this "
+                         f"model and the layout does not pin one; pick one with --layers {'|'.join(kinds)}")
+
+
+def layer_map(config: Any, axis_len: int, kind: str = "auto", *, what: str = "routed_experts",
+              allowed: tuple[str, ...] | None = None) -> LayerMap:
+    """The numbering a layer axis of ``axis_len`` rows follows; ``kind`` names one (``--layers``), "auto" picks
+    by length among ``allowed`` (the numberings the producer writes, ``LAYOUT_AXES``; None: any).
+
+    Two numberings of one length with different rows (one dense and one MTP layer: ``decoder`` and
+    ``moe+mtp``) are never told apart by the data: without a pin that is ``AmbiguousLayerAxis``.
     """
     maps = layer_maps(config)
     if kind != "auto":
         if kind not in maps:
-            raise ValueError(f"{what}: layer numbering {kind!r} is not one this model has; allowed "
+            raise ValueError(f"{what}: --layers={kind} is not a layer numbering this model has; allowed "
                              f"{', '.join(maps)}")
         if maps[kind].axis_len != axis_len:
-            raise ValueError(f"{what}: {axis_len} layer rows, but numbering {kind!r} of this model has "
+            raise ValueError(f"{what}: {axis_len} layer rows, but --layers={kind} of this model has "
                              f"{maps[kind].axis_len}")
         return maps[kind]
-    fits = {m.rows: m for m in maps.values() if m.axis_len == axis_len}  # "moe" first: same rows as "decoder"
-    if len(fits) > 1 and zero_rows is not None:  # without a dense layer
-        fits = {rows: m for rows, m in fits.items() if set(m.dropped) <= zero_rows} or fits
-    if len(fits) == 1:
-        return next(iter(fits.values()))
     sizes = ", ".join(f"{m.axis_len} ({k})" for k, m in maps.items())
     model = _field(config, "model_type")
+    fits = {m.rows: m for k, m in maps.items() if m.axis_len == axis_len and (allowed is None or k in allowed)}
+    if len(fits) == 1:  # "moe" before "decoder": without a dense layer they are the same rows
+        return next(iter(fits.values()))
     if fits:
-        raise ValueError(f"{what}: {axis_len} layer rows fit several layer numberings of this model ({model}: "
-                         f"{', '.join(m.kind for m in fits.values())}) and no all-zero dense row tells which")
+        raise AmbiguousLayerAxis(what, axis_len, [m.kind for m in fits.values()])
+    other = [k for k, m in maps.items() if m.axis_len == axis_len]
+    if other:
+        raise ValueError(f"{what}: {axis_len} layer rows fit only {', '.join(other)}, which this layout does not "
+                         f"write ({model}: it writes {', '.join(allowed or ())}); --layers={other[0]} reads it so")
     raise ValueError(f"{what}: {axis_len} layer rows fit no layer numbering of this model ({model}); allowed {sizes}")

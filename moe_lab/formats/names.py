@@ -3,3 +3,4 @@
 LINE_FORMATS = ("vllm", "sglang", "nemo_rl", "prime_rl", "verl")  # a JSONL line's routed_experts
 FILE_FORMATS = ("trace", "slime")  # a whole file: moe_lab's trace (.safetensors), slime's debug dump (.pt)
 FORMATS = ("auto", *LINE_FORMATS, *FILE_FORMATS)
+LAYER_NUMBERINGS = ("moe", "decoder", "moe+mtp", "decoder+mtp")  # a layout's layer axis (formats.layers.layer_maps)

@@ -2,9 +2,10 @@
 
 The payload is the C-order bytes of an integer array [S positions, L layers, K top_k] of the given dtype
 (little-endian), positions from 0; ``-1`` marks a missing route. The layer axis follows one of the model's
-numberings (formats.layers), decided by its length. NeMo-RL aligns the rows to the padded sequence and fills
-the positions past the engine's routes (the final token, padding) with the placeholder route 0, 1, ..., K-1
-in every layer: a final row that is exactly that placeholder is read as missing, not as a route.
+numberings NeMo-RL writes (formats.layers.LAYOUT_AXES), decided by its length. NeMo-RL aligns the rows to the
+padded sequence and fills the positions past the engine's routes (the final token, padding) with the
+placeholder route 0, 1, ..., K-1 in every layer, and the rows of dense layers with it too: those are read
+as missing, not as routes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_lab.formats.layers import LAYOUT_AXES, layer_map
 from moe_lab.formats.routes import Routes, decode, encode
 
 PREFIX = "nrlre1"
@@ -47,20 +49,42 @@ def parse_envelope(value: str, what: str = "routed_experts") -> torch.Tensor:
                             .reshape(S, L, K))
 
 
+def _placeholder_SA(rows_SAK: torch.Tensor) -> torch.Tensor:
+    """(position, layer row) cells holding NeMo-RL's placeholder route 0, 1, ..., K-1."""
+    K = rows_SAK.shape[2]
+    return (rows_SAK == torch.arange(K)).all(-1) if K > 1 else torch.zeros(rows_SAK.shape[:2], dtype=torch.bool)
+
+
 def decode_nemo_rl(envelope: str, *, config: Any, num_tokens: int | None = None, layers: str = "auto") -> Routes:
+    """The envelope -> Routes. NeMo-RL's placeholder route is "no route" where NeMo-RL writes it: in the rows
+    of layers the config says are not MoE (dense, MTP) and in the trailing positions past the engine's routes
+    (the final token, padding) - there in every layer."""
     rows = parse_envelope(envelope)
-    if rows.shape[0] and rows.shape[2] > 1 and torch.equal(rows[-1], torch.arange(rows.shape[2]).expand_as(rows[-1])):
+    lmap = layer_map(config, rows.shape[1], layers, allowed=LAYOUT_AXES["nemo_rl"])
+    held = _placeholder_SA(rows)
+    if rows.shape[0] and rows.shape[2] > 1:
         rows = rows.clone()
-        rows[-1] = -1  # NeMo-RL's placeholder for the final token (see the module docstring)
-    return decode(rows, config, num_tokens=num_tokens, layers=layers, layout="nemo_rl")
+        dropped = list(lmap.dropped)
+        rows[:, dropped] = rows[:, dropped].masked_fill(held[:, dropped, None], -1)
+        tail = int(held.all(1).flip(0).long().cumprod(0).sum())  # trailing positions placeholder in every layer
+        rows[rows.shape[0] - tail:] = -1
+    return decode(rows, config, num_tokens=num_tokens, layers=lmap.kind, layout="nemo_rl")
 
 
 def write_nemo_rl(routes: Routes, *, config: Any, dtype: str = "int16", layers: str = "moe",
                   stop: int | None = None) -> str:
-    """Routes -> the envelope, -1 where a route is missing."""
+    """Routes -> the envelope as NeMo-RL writes it: -1 where a route is missing inside the engine's rows, the
+    placeholder route 0..K-1 in the rows of dense or MTP layers and in the trailing positions without any
+    route (``pad_and_align_routed_expert_indices``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed {', '.join(DTYPES)}")
-    rows = encode(routes, config, layers=layers, missing=-1, stop=stop).numpy()
-    rows = rows.astype(np.dtype(dtype).newbyteorder("<"))
+    rows = encode(routes, config, layers=layers, missing=-1, stop=stop)
+    lmap = layer_map(config, rows.shape[1], layers)
+    placeholder = torch.arange(rows.shape[2])
+    rows[:, list(lmap.dropped)] = placeholder
+    covered = routes.mask_LS[:, : rows.shape[0]].any(0)
+    last = int(covered.nonzero().max()) + 1 if covered.any() else 0
+    rows[last:] = placeholder
+    rows = rows.numpy().astype(np.dtype(dtype).newbyteorder("<"))
     S, L, K = rows.shape
     return f"{PREFIX}:{dtype}:{S}x{L}x{K}:{base64.b64encode(rows.tobytes()).decode('ascii')}"

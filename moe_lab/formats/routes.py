@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_lab.formats.layers import LayerMap, layer_map, layer_maps, top_k
+from moe_lab.formats.layers import LAYOUT_AXES, LayerMap, layer_map, layer_maps, top_k
 from moe_lab.routing.trace import Trace, index_dtype
 
 Tensor = torch.Tensor
@@ -118,8 +118,7 @@ def decode(rows_SAK: Any, config: Any, *, start: int = 0, num_tokens: int | None
                          f"num_experts_per_tok={k}")
     if start < 0:
         raise ValueError(f"{what}: start={start}; allowed an int >= 0")
-    zero_rows = frozenset((rows == 0).all(-1).all(0).nonzero().squeeze(1).tolist()) if rows.shape[0] else None
-    lmap = layer_map(config, rows.shape[1], layers, what=what, zero_rows=zero_rows)
+    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES.get(layout))
     S = start + rows.shape[0] if num_tokens is None else int(num_tokens)
     excess = max(0, start + rows.shape[0] - S)
     rows = rows[: max(0, rows.shape[0] - excess)]
@@ -140,8 +139,8 @@ def _dropped_nonzero(rows_SAK: Tensor, lmap: LayerMap) -> tuple[int, ...]:
     dropped = list(lmap.dropped)
     if not dropped or rows_SAK.shape[0] == 0:
         return ()
-    nonzero_A = (rows_SAK[:, dropped] != 0).any(-1).any(0)
-    return tuple(r for r, nz in zip(dropped, nonzero_A.tolist()) if nz)
+    carries_A = (~_missing_SA(rows_SAK[:, dropped])).any(0)  # a missing-route marker is not an id
+    return tuple(r for r, nz in zip(dropped, carries_A.tolist()) if nz)
 
 
 def encode(routes: Routes, config: Any, *, layers: str = "moe", missing: int = 0, start: int = 0,
@@ -173,26 +172,6 @@ def covered_window(routes: Routes) -> tuple[int, int]:
     """[first, last + 1) of the positions any layer covers ((0, 0) when none)."""
     pos = routes.covered_positions()
     return (0, 0) if pos.numel() == 0 else (int(pos[0]), int(pos[-1]) + 1)
-
-
-def unflatten(flat: Tensor, config: Any, *, expected_rows: tuple[int, ...] = (), what: str) -> Tensor:
-    """A flat id buffer (SGLang's base64) -> rows [positions, layer axis, top_k], the layer axis chosen among
-    this model's numberings that divide the buffer: the one whose row count is nearest the expected (e.g.
-    seqlen - 1 - start)."""
-    k = top_k(config)
-    fits = {m.axis_len: flat.numel() // (m.axis_len * k) for m in layer_maps(config).values()
-            if flat.numel() % (m.axis_len * k) == 0}
-    choice = list(fits)
-    if expected_rows and len(choice) > 1:  # the numbering whose row count is nearest the tokens' (a trace
-        # off by a row or two is a fault to report, not a reason to refuse the file)
-        dist = {a: min(abs(n - e) for e in expected_rows) for a, n in fits.items()}
-        choice = [a for a in choice if dist[a] == min(dist.values())]
-    if len(choice) != 1:
-        sizes = ", ".join(f"{m.axis_len} ({kind})" for kind, m in layer_maps(config).items())
-        why = "fits no" if not choice else "fits more than one"
-        raise ValueError(f"{what}: {flat.numel()} ids {why} layer numbering of this model (layer rows allowed: "
-                         f"{sizes}; top_k {k})")
-    return flat.reshape(fits[choice[0]], choice[0], k)
 
 
 def to_trace(routes: list[Routes], *, num_experts: int, family: str, positions: int | None = None) -> Trace:

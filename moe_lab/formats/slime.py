@@ -29,7 +29,7 @@ def _load(path: Path) -> list[dict]:
     return data["samples"]
 
 
-def _sequence(sample: Any, config: Any, where: str) -> RoutedSequence:
+def _sequence(sample: Any, config: Any, where: str, layers: str = "auto") -> RoutedSequence:
     if not isinstance(sample, dict) or "tokens" not in sample or "response_length" not in sample:
         raise ValueError(f"{where}: expected a sample dict with tokens and response_length")
     if sample.get("rollout_routed_experts") is None:
@@ -37,18 +37,18 @@ def _sequence(sample: Any, config: Any, where: str) -> RoutedSequence:
     tokens = as_int_tensor(sample["tokens"], f"{where}: tokens").reshape(-1)
     response = int(sample["response_length"])
     routes = decode(sample["rollout_routed_experts"], config, num_tokens=tokens.numel(), layout="slime",
-                    what=f"{where}: rollout_routed_experts")
+                    layers=layers, what=f"{where}: rollout_routed_experts")
     logp = sample.get("rollout_log_probs")
     logp = None if logp is None or len(logp) != response else torch.as_tensor(logp, dtype=torch.float64)
     return RoutedSequence(tokens, tokens.numel() - response, routes, logp, where)
 
 
-def read_slime(path: str | Path, config: Any) -> list[RoutedSequence]:
+def read_slime(path: str | Path, config: Any, layers: str = "auto") -> list[RoutedSequence]:
     path = Path(path)
     samples = _load(path)
     if not samples:
         raise ValueError(f"{path}: no samples")
-    return [_sequence(s, config, f"{path} sample {i}") for i, s in enumerate(samples)]
+    return [_sequence(s, config, f"{path} sample {i}", layers) for i, s in enumerate(samples)]
 
 
 def write_slime(path: str | Path, sequences: list[RoutedSequence], *, config: Any, layers: str = "decoder",

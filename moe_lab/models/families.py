@@ -35,7 +35,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from moe_lab.config import ModelConfig
-from moe_lab.models.families_2026 import NEW_FAMILIES, REFUSED
+from moe_lab.models.families_2026 import NEW_FAMILIES, REFUSED, TEXT_MODELS
 from moe_lab.models.rules import (FamilySpec, deepseek_gate_weights, deepseek_groups, deepseek_select,  # noqa: F401
                                   gpt_oss_gate_weights, gpt_oss_select, mixtral_gate_weights, mixtral_select,
                                   norm_topk, qwen_gate_weights, qwen_select, shared_width, sigmoid_router_logp,
@@ -117,6 +117,14 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 
 
+def served_config(config: dict) -> dict:
+    """A checkpoint's config.json as the model moe_lab runs sees it: a multimodal one's ``text_config``."""
+    text = config.get("text_config")
+    if config.get("model_type") in TEXT_MODELS and isinstance(text, dict):
+        return {"model_type": TEXT_MODELS[config["model_type"]], **text}
+    return config
+
+
 def get_family(name: str) -> FamilySpec:
     if name in REFUSED:
         raise ValueError(f"family={name!r} is not supported: {REFUSED[name]}")
@@ -134,6 +142,7 @@ def family_of_router(module: Any) -> FamilySpec | None:
 
 
 def family_of_model_type(model_type: str) -> FamilySpec | None:
+    model_type = TEXT_MODELS.get(model_type, model_type)  # a multimodal checkpoint: its text model's family
     for spec in FAMILIES.values():
         if spec.model_type == model_type:
             return spec

@@ -124,6 +124,10 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
                                bias=statics_bias),
 }
 
+# Multimodal checkpoints served through their text model: config.json's model_type -> its text_config's. The
+# text model's class loads such a checkpoint's language weights itself (model.language_model.* -> model.*).
+TEXT_MODELS: dict[str, str] = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
 REFUSED: dict[str, str] = {
     "llama4": "Llama 4's router returns dense (router_scores_NE, router_logits_NE) and every expert runs on every "
               "token weighted by those scores; there are no top-k ids for the experts to consume, so the seam "
