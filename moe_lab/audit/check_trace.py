@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -34,8 +34,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                 "a moe_lab trace file (.safetensors)")
     p.add_argument("--model", required=True, metavar="DIR", help="transformers checkpoint folder (config.json)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="layout of FILE (default: detected)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto: device_map='auto' (accelerate "
+                                                   "spreads the layers over the GPUs, then CPU memory)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="model dtype (default auto: the checkpoint's own, config.json's dtype)")
     return p
 
 
@@ -67,10 +69,16 @@ def _check_inputs(sequences: list, config: dict) -> None:
 
 
 def _device(name: str):
+    """The placement asked for: a torch.device, or "auto" (a device_map accelerate computes)."""
+    import importlib.util
+
     import torch
 
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if importlib.util.find_spec("accelerate") is None:
+            raise ValueError("--device=auto: places the model with accelerate's device_map='auto', and accelerate is "
+                             "not installed (pip install accelerate); allowed without it: cpu, cuda, cuda:N")
+        return "auto"
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -83,13 +91,15 @@ def _device(name: str):
 
 
 def _load(model_dir: str, device, dtype: str):
+    """The model in ``dtype`` read straight onto ``device`` (a device_map: never built whole in CPU memory first)."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from moe_lab.models import load_model
 
     hf_logging.disable_progress_bar()  # one bar per load: noise in a report meant to be read or parsed
-    return load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
+    device_map = device if device == "auto" else None if device.type == "cpu" else {"": str(device)}
+    return load_model(model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype), device_map=device_map)
 
 
 def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[list[str], list[tuple[str, str]], float]:
@@ -104,7 +114,9 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
     if built != names:  # the layer rule and the modelling code must agree, or every mapping above is wrong
         raise ValueError(f"--model: the config's MoE layers {names} (moe_lab.formats.layers) are not the layers "
                          f"whose routers the model built, {built}: the layer rule of this model_type needs fixing")
-    checked = [rep.Checked(s, free_pass(model, s.tokens, device)) for s in sequences]
+    # the head runs only for a sequence carrying engine log-probs, from its first completion token
+    logp_from = [None if s.engine_logprobs is None else s.prompt_len for s in sequences]
+    checked = [rep.Checked(s, free_pass(model, s.tokens, device, at)) for s, at in zip(sequences, logp_from)]
     t = rep.tally(checked, E)
     lines = [f"layer {names[l]} (MoE {l}): agreement {_frac(t.agree_L[l], t.usable_L[l])} "
              f"({int(t.usable_L[l])} slots)" for l in range(len(names))]
@@ -121,8 +133,8 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
     if not shifts and t.agreement < rep.LOW_AGREEMENT:
         faults.append(("low-agreement", f"only {t.agreement:.4f} of the routed slots match the model's own choice "
                                         "and no shift explains it: another checkpoint, or other tokens?"))
-    for c in checked:
-        c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device)
+    for c, at in zip(checked, logp_from):
+        c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device, at)
     replay_line, fault = rep.replay_fault(checked, E)
     lines += rep.mismatch_lines(checked) + [replay_line]
     return lines, faults + ([fault] if fault else []), t.agreement
@@ -147,8 +159,16 @@ def _summary_lines(t, n_seq: int) -> list[str]:
             f"router margin where they disagree: {margin}"]
 
 
+def report_lines(lines: list[str], faults: list[tuple[str, str]], agreement: float) -> list[str]:
+    """What the command prints after its header: the measurements, a line per fault, ``agreement`` last."""
+    return [*lines, *(f"fault: {name}: {detail}" for name, detail in faults),
+            f"agreement {agreement:.4f}" if agreement == agreement else "agreement n/a"]
+
+
 def main(args) -> int:
+    from moe_lab.audit.trace_run import input_device
     from moe_lab.formats.jsonl import read_input
+    from moe_lab.models import checkpoint_dtype
 
     config = read_config(args.model)
     device = _device(args.device)
@@ -156,13 +176,11 @@ def main(args) -> int:
         raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
     sequences = read_input(args.file, config, args.format)
     _check_inputs(sequences, config)
+    if args.dtype == "auto":
+        checkpoint_dtype(args.model)  # a dtype torch has no name for is refused before the model is loaded
     model = _load(args.model, device, args.dtype)
     kind = sequences[0].routes
     print(f"check-trace: {args.file}: {len(sequences)} sequences, layout {kind.layout}, layer axis {kind.layer_kind}")
-    lines, faults, agreement = run_check(sequences, model, config, device)
-    for line in lines:
-        print(line)
-    for name, detail in faults:
-        print(f"fault: {name}: {detail}")
-    print(f"agreement {agreement:.4f}" if agreement == agreement else "agreement n/a")
+    lines, faults, agreement = run_check(sequences, model, config, input_device(model))
+    print("\n".join(report_lines(lines, faults, agreement)))
     return 1 if faults else 0
