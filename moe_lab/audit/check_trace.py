@@ -60,7 +60,7 @@ def read_config(model_dir: str) -> dict:
     return config
 
 
-def _check_inputs(sequences: list, config: dict) -> None:
+def check_inputs(sequences: list, config: dict) -> None:
     for seq in sequences:
         if seq.num_tokens < 2:
             raise ValueError(f"{seq.where}: {seq.num_tokens} tokens; a check needs at least 2")
@@ -175,7 +175,7 @@ def main(args) -> int:
     if not Path(args.file).is_file():
         raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
     sequences = read_input(args.file, config, args.format)
-    _check_inputs(sequences, config)
+    check_inputs(sequences, config)
     if args.dtype == "auto":
         checkpoint_dtype(args.model)  # a dtype torch has no name for is refused before the model is loaded
     model = _load(args.model, device, args.dtype)
