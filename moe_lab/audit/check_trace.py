@@ -34,8 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                 "a moe_lab trace file (.safetensors)")
     p.add_argument("--model", required=True, metavar="DIR", help="transformers checkpoint folder (config.json)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="layout of FILE (default: detected)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto: device_map='auto' (accelerate "
-                                                   "spreads the layers over the GPUs, then CPU memory)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto: device_map='auto' "
+                                                   "(accelerate spreads the layers over the GPUs, then CPU memory)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="model dtype (default auto: the checkpoint's own, config.json's dtype)")
     return p

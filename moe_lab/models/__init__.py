@@ -170,5 +170,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_dtype", "checkpoint_family", "load_model", "moe_layers",
-           "position_ids_from_mask", "resolve_device"]
+__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_dtype", "checkpoint_family", "load_model",
+           "moe_layers", "position_ids_from_mask", "resolve_device"]
