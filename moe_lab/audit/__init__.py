@@ -5,3 +5,4 @@ checkpoint's own routing and whether replaying them takes effect, ``volatility``
 between two checkpoints (experts changed per MoE layer, router shift, the routing share of the log-ratio's
 variance). One layer above launch and analysis (it may import both, and everything below them), below the
 command line."""
+from moe_lab.audit.replay_check import ReplayVerdict, assert_replay_ok, verify_replay  # noqa: F401 (imports no torch)

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -38,8 +38,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--layers", default="auto", choices=("auto", *LAYER_NUMBERINGS),
                    help="what the layout's layer axis numbers: the MoE layers, every decoder layer, either with the "
                         "MTP layers appended (default: what the producer writes, docs/traces.md)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto: device_map='auto' "
+                                                   "(accelerate spreads the layers over the GPUs, then CPU memory)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="model dtype (default auto: the checkpoint's own, config.json's dtype)")
     return p
 
 
@@ -63,7 +65,7 @@ def read_config(model_dir: str) -> dict:
     return config
 
 
-def _check_inputs(sequences: list, config: dict) -> None:
+def check_inputs(sequences: list, config: dict) -> None:
     for seq in sequences:
         if seq.num_tokens < 2:
             raise ValueError(f"{seq.where}: {seq.num_tokens} tokens; a check needs at least 2")
@@ -72,10 +74,16 @@ def _check_inputs(sequences: list, config: dict) -> None:
 
 
 def _device(name: str):
+    """The placement asked for: a torch.device, or "auto" (a device_map accelerate computes)."""
+    import importlib.util
+
     import torch
 
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if importlib.util.find_spec("accelerate") is None:
+            raise ValueError("--device=auto: places the model with accelerate's device_map='auto', and accelerate is "
+                             "not installed (pip install accelerate); allowed without it: cpu, cuda, cuda:N")
+        return "auto"
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -88,13 +96,15 @@ def _device(name: str):
 
 
 def _load(model_dir: str, device, dtype: str):
+    """The model in ``dtype`` read straight onto ``device`` (a device_map: never built whole in CPU memory first)."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from moe_lab.models import load_model
 
     hf_logging.disable_progress_bar()  # one bar per load: noise in a report meant to be read or parsed
-    return load_model(model_dir, dtype=getattr(torch, dtype)).to(device)
+    device_map = device if device == "auto" else None if device.type == "cpu" else {"": str(device)}
+    return load_model(model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype), device_map=device_map)
 
 
 def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[list[str], list[tuple[str, str]], float]:
@@ -110,7 +120,9 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
     if built != names:  # the layer rule and the modelling code must agree, or every mapping above is wrong
         raise ValueError(f"--model: the config's MoE layers {names} (moe_lab.formats.layers) are not the layers "
                          f"whose routers the model built, {built}: the layer rule of this model_type needs fixing")
-    checked = [rep.Checked(s, free_pass(model, s.tokens, device)) for s in sequences]
+    # the head runs only for a sequence carrying engine log-probs, from its first completion token
+    logp_from = [None if s.engine_logprobs is None else s.prompt_len for s in sequences]
+    checked = [rep.Checked(s, free_pass(model, s.tokens, device, at)) for s, at in zip(sequences, logp_from)]
     t = rep.tally(checked, E)
     lines = [f"layer {names[l]} (MoE {l}): agreement {_frac(t.agree_L[l], t.usable_L[l])} "
              f"({int(t.usable_L[l])} slots)" for l in range(len(names))]
@@ -123,8 +135,8 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
     if not int(t.usable_L.sum()):
         faults.append(("no-routes", "no (layer, position) slot of any sequence carries a usable route"))
     faults = verdict(checked, t, E, faults + rep.shift_faults(checked, E, t.agreement))
-    for c in checked:
-        c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device)
+    for c, at in zip(checked, logp_from):
+        c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device, at)
     replay_line, fault = rep.replay_fault(checked, E)
     lines += rep.mismatch_lines(checked) + [replay_line]
     return lines, faults + ([fault] if fault else []), t.agreement
@@ -160,9 +172,17 @@ def _load_checkpoint(model_dir: str, device, dtype: str):
                          f"({type(exc).__name__}: {first})") from None
 
 
+def report_lines(lines: list[str], faults: list[tuple[str, str]], agreement: float) -> list[str]:
+    """What the command prints after its header: the measurements, a line per fault, ``agreement`` last."""
+    return [*lines, *(f"fault: {name}: {detail}" for name, detail in faults),
+            f"agreement {agreement:.4f}" if agreement == agreement else "agreement n/a"]
+
+
 def main(args) -> int:
+    from moe_lab.audit.trace_run import input_device
     from moe_lab.formats.jsonl import read_input
     from moe_lab.formats.layers import AmbiguousLayerAxis
+    from moe_lab.models import checkpoint_dtype
 
     config = read_config(args.model)
     device = _device(args.device)
@@ -172,17 +192,14 @@ def main(args) -> int:
         sequences = read_input(args.file, config, args.format, args.layers)
     except AmbiguousLayerAxis as exc:  # a fault of the dump, not unreadable input: exit 1 naming the flag
         print(f"check-trace: {args.file}: layer axis not decided")
-        print(f"fault: ambiguous-layer-axis: {exc}")
-        print("agreement n/a")
+        print("\n".join(report_lines([], [("ambiguous-layer-axis", str(exc))], float("nan"))))
         return 1
-    _check_inputs(sequences, config)
+    check_inputs(sequences, config)
+    if args.dtype == "auto":
+        checkpoint_dtype(args.model)  # a dtype torch has no name for is refused before the model is loaded
     model = _load_checkpoint(args.model, device, args.dtype)
     kind = sequences[0].routes
     print(f"check-trace: {args.file}: {len(sequences)} sequences, layout {kind.layout}, layer axis {kind.layer_kind}")
-    lines, faults, agreement = run_check(sequences, model, config, device)
-    for line in lines:
-        print(line)
-    for name, detail in faults:
-        print(f"fault: {name}: {detail}")
-    print(f"agreement {agreement:.4f}" if agreement == agreement else "agreement n/a")
+    lines, faults, agreement = run_check(sequences, model, config, input_device(model))
+    print("\n".join(report_lines(lines, faults, agreement)))
     return 1 if faults else 0

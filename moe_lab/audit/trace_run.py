@@ -4,6 +4,11 @@
 this module). ``replay_pass``: the imported routes forced with moe_lab's replay() (R3), while a pre-hook on each
 MoE layer's experts module reads the ids the experts were actually handed - what ran, not what the router
 hook returned: a fused path that ignores the router's output shows up here as a difference.
+
+Both run the decoder alone (``get_decoder()``): routing needs no logits. The output head runs only for a
+sequence that carries engine log-probs (``logp_from``), over the positions they cover, a chunk of positions at
+a time, so a full-vocabulary row is never held for the whole sequence (V = 152k at S = 8k is 2.4 GB of bf16
+logits; the float64 log-softmax over all of them was 10 GB).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ Tensor = torch.Tensor
 class FreePass:
     ids_LSK: Tensor  # the model's own top-k, int64
     margin_LS: Tensor  # router log-prob of its k-th choice minus its (k+1)-th: how near the set was to changing
-    token_logp_S: Tensor  # log p(token s | tokens < s) for s >= 1 (entry 0 is 0), float64
+    # log p(token s | tokens < s) for s >= logp_from (entries before are 0), float64; None: not asked for
+    token_logp_S: Tensor | None
     tie_LS: Tensor | None = None  # the margin one bf16 rounding of the router logits erases (tie_scale_S)
 
 
@@ -35,13 +41,32 @@ class FreePass:
 class ReplayPass:
     forced_LSK: Tensor  # the ids replay forced (the trace's where usable, else the model's own)
     ran_LSK: Tensor | None  # the ids the experts modules received; None: no experts module to observe
-    token_logp_S: Tensor
+    token_logp_S: Tensor | None
 
 
-def _token_logp(logits_1SV: Tensor, tokens_S: Tensor) -> Tensor:
-    logp = F.log_softmax(logits_1SV[0, :-1].double(), dim=-1)
-    out = torch.zeros(tokens_S.numel(), dtype=torch.float64)
-    out[1:] = logp.gather(1, tokens_S[1:, None].to(logp.device)).squeeze(1).cpu()
+# logits held at once by the log-prob pass: positions per chunk = this // vocabulary size (64 MB of fp32)
+LOGP_CHUNK_ELEMENTS = 1 << 24
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where the token ids go: the input embedding's device (under a device_map, the first layer's)."""
+    weight = model.get_input_embeddings().weight
+    return torch.device("cpu") if weight.device.type == "meta" else weight.device
+
+
+def _token_logp(model: nn.Module, hidden_1SH: Tensor, tokens_S: Tensor, logp_from: int) -> Tensor:
+    """log p(token s | tokens < s) for s in [max(1, logp_from), S): the model's own head, in its dtype, on a
+    chunk of positions at a time; the log-softmax of each chunk in float32 (as engines compute log-probs from
+    bf16 logits), returned as float64."""
+    head, S = model.get_output_embeddings(), tokens_S.numel()
+    out = torch.zeros(S, dtype=torch.float64)
+    first = max(1, logp_from)
+    chunk = max(1, LOGP_CHUNK_ELEMENTS // head.weight.shape[0])
+    for a in range(first, S, chunk):
+        b = min(S, a + chunk)
+        logits_CV = head(hidden_1SH[0, a - 1:b - 1])  # position s is predicted from hidden state s - 1
+        logp_CV = F.log_softmax(logits_CV.float(), dim=-1)
+        out[a:b] = logp_CV.gather(1, tokens_S[a:b, None].to(logp_CV.device)).squeeze(1).double().cpu()
     return out
 
 
@@ -90,13 +115,15 @@ def margin_probe(model: nn.Module) -> Iterator[list[list[Tensor]]]:
 
 
 @torch.no_grad()
-def free_pass(model: nn.Module, tokens_S: Tensor, device: torch.device) -> FreePass:
-    input_ids = tokens_S[None].to(device)
-    with record(model, weights=False) as trace, margin_probe(model) as margins:
-        logits = model(input_ids=input_ids).logits
+def free_pass(model: nn.Module, tokens_S: Tensor, device: torch.device, logp_from: int | None = None) -> FreePass:
+    """``logp_from``: the first position whose token log-prob is wanted (None: none, the head never runs)."""
+    decoder = model.get_decoder()
+    with record(decoder, weights=False) as trace, margin_probe(decoder) as margins:
+        hidden = decoder(input_ids=tokens_S[None].to(device)).last_hidden_state
     ids_LSK = trace.indices[:, 0].long().cpu()
     probe_L2S = torch.stack([torch.cat(m, dim=1) for m in margins])
-    return FreePass(ids_LSK, probe_L2S[:, 0], _token_logp(logits, tokens_S), probe_L2S[:, 1])
+    logp = None if logp_from is None else _token_logp(model, hidden, tokens_S, logp_from)
+    return FreePass(ids_LSK, probe_L2S[:, 0], logp, probe_L2S[:, 1])
 
 
 def usable_LS(ids_LSK: Tensor, mask_LS: Tensor, num_experts: int) -> Tensor:
@@ -145,12 +172,14 @@ def _keeper(store: list[Tensor]):
 
 
 @torch.no_grad()
-def replay_pass(model: nn.Module, tokens_S: Tensor, trace: Trace, device: torch.device) -> ReplayPass:
-    input_ids = tokens_S[None].to(device)
+def replay_pass(model: nn.Module, tokens_S: Tensor, trace: Trace, device: torch.device,
+                logp_from: int | None = None) -> ReplayPass:
+    decoder = model.get_decoder()
     L, _, S, K = trace.shape
-    with experts_probe(model) as seen, replay(model, trace.to(device)):
-        logits = model(input_ids=input_ids).logits
+    with experts_probe(decoder) as seen, replay(decoder, trace.to(device)):
+        hidden = decoder(input_ids=tokens_S[None].to(device)).last_hidden_state
     ran = None
     if all(len(s) == 1 and s[0].numel() == S * K for s in seen):
         ran = torch.stack([s[0].reshape(S, K) for s in seen])
-    return ReplayPass(trace.indices[:, 0].long().cpu(), ran, _token_logp(logits, tokens_S))
+    logp = None if logp_from is None else _token_logp(model, hidden, tokens_S, logp_from)
+    return ReplayPass(trace.indices[:, 0].long().cpu(), ran, logp)

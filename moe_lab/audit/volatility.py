@@ -31,8 +31,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# the short names, and torch's (as `moe-lab check-trace --dtype` takes them)
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "float32": "float32", "bfloat16": "bfloat16"}
+# the short names, and torch's (as `moe-lab check-trace --dtype` takes them); auto: the checkpoint's own
+DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "float32": "float32", "bfloat16": "bfloat16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -58,7 +58,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of OLD (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights' dtype (default fp32)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                   help="weights' dtype (default auto: OLD's own, config.json's dtype, for both)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     return p
 
@@ -129,6 +130,10 @@ def check_args(args) -> Checked:
     resolve_device(args.device)  # 'cuda' without one is refused here, before anything is loaded
     old, new = Path(args.old).expanduser(), Path(args.new).expanduser()
     family, vocab_size = check_pair(old, new)
+    if args.dtype == "auto":
+        from moe_lab.models import checkpoint_dtype
+
+        checkpoint_dtype(old)  # a dtype torch has no name for is refused here
     has_tokenizer = any((old / name).is_file() for name in TOKENIZER_FILES)
     prompts = read_prompts(Path(args.prompts).expanduser(), vocab_size, has_tokenizer)
     out = Path(args.out).expanduser()

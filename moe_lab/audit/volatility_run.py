@@ -4,10 +4,14 @@ Per batch of sequences: OLD free (routing recorded with its router log-probs), N
 router log-probs read at OLD's experts), NEW with OLD's routing replayed. The routing metrics are moe_lab's own
 (``routing_metrics``, ``router_shift``), combined over batches as token means; the log-ratio's variance and
 routing share come from ``ratio_decomposition`` over the response tokens of all batches at once.
+
+``run`` holds one checkpoint at a time: OLD generates and runs its forwards on every batch (keeping only the
+sequences, OLD's trace and its token log-probs), is freed, and only then is NEW loaded for its two forwards.
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,9 +20,9 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from moe_lab.algos.ratio_metrics import masked_var, ratio_decomposition
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.models import load_model, moe_layers, resolve_device
+from moe_lab.models import checkpoint_dtype, load_model, moe_layers, resolve_device
 from moe_lab.rl.rollout import GroupSampler, forward_logits, token_logprobs
-from moe_lab.routing import record, replay, router_logp_probe, router_shift, routing_metrics
+from moe_lab.routing import Trace, record, replay, router_logp_probe, router_shift, routing_metrics
 
 Tensor = torch.Tensor
 
@@ -81,12 +85,28 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, temperatur
     return Batch(seq_BS, attn_BS, resp_BT, P)
 
 
+@dataclass
+class OldPass:
+    """What NEW's forwards need of one batch once OLD is gone."""
+
+    batch: Batch
+    prompts: list[list[int]]
+    trace: Trace  # OLD's, with its router log-probs
+    logp_old_BT: Tensor
+
+
 @torch.no_grad()
-def teacher_forced(old, new, batch: Batch) -> dict:
-    """The three forwards of one batch and their per-batch metrics (token means over the response)."""
-    seq, attn, mask = batch.seq_BS, batch.attn_BS, batch.resp_BT
+def old_pass(old, batch: Batch, prompts: list[list[int]]) -> OldPass:
     with record(old, router_logp=True) as old_trace:
-        logp_old_BT = token_logprobs(forward_logits(old, seq, attn).logits, seq)
+        logp_old_BT = token_logprobs(forward_logits(old, batch.seq_BS, batch.attn_BS).logits, batch.seq_BS)
+    return OldPass(batch, prompts, old_trace, logp_old_BT)
+
+
+@torch.no_grad()
+def teacher_forced(new, part: OldPass) -> dict:
+    """NEW's two forwards of one batch and the batch's metrics (token means over the response)."""
+    batch, old_trace, logp_old_BT = part.batch, part.trace, part.logp_old_BT
+    seq, attn, mask = batch.seq_BS, batch.attn_BS, batch.resp_BT
     with record(new) as new_trace, router_logp_probe(new, old_trace.indices) as probe:
         logp_new_BT = token_logprobs(forward_logits(new, seq, attn).logits, seq)
     with replay(new, old_trace):
@@ -150,30 +170,53 @@ def _sequence_rows(batch: Batch, prompts: list[list[int]]) -> list[dict]:
 
 
 @torch.no_grad()
-def measure(old, new, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int,
-            batch_size: int) -> Result:
-    """Volatility of loaded NEW against loaded OLD on OLD's completions of ``prompts`` (one device)."""
+def old_side(old, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int,
+             batch_size: int) -> tuple[list[OldPass], list[int], str]:
+    """OLD's part of every batch: its completions and forwards; (parts, MoE layer indices, family)."""
     generator = torch.Generator(device=old.device).manual_seed(seed)
-    parts, sequences = [], []
+    parts = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         batch = generate(old, chunk, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
-        parts.append(teacher_forced(old, new, batch))
-        sequences += _sequence_rows(batch, chunk)
+        parts.append(old_pass(old, batch, chunk))
     layers = moe_layers(old)
-    per_layer, summary = _combine(parts, [layer.layer_idx for layer in layers])
-    summary = dict(family=layers[0].family.name, sequences=len(prompts), **summary)
-    return Result(per_layer, summary, sequences)
+    return parts, [layer.layer_idx for layer in layers], layers[0].family.name
+
+
+def new_side(new, parts: list[OldPass], layer_idx: list[int], family: str) -> Result:
+    """NEW's forwards of every batch OLD ran, and the figures."""
+    per_layer, summary = _combine([teacher_forced(new, part) for part in parts], layer_idx)
+    summary = dict(family=family, sequences=sum(len(p.prompts) for p in parts), **summary)
+    return Result(per_layer, summary, [row for p in parts for row in _sequence_rows(p.batch, p.prompts)])
+
+
+def measure(old, new, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int,
+            batch_size: int) -> Result:
+    """Volatility of loaded NEW against loaded OLD on OLD's completions of ``prompts`` (one device)."""
+    parts, layer_idx, family = old_side(old, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        seed=seed, batch_size=batch_size)
+    return new_side(new, parts, layer_idx, family)
+
+
+def _load(path, dtype: torch.dtype, where: torch.device):
+    # read straight onto the device in the asked dtype: never built whole in CPU memory first
+    return load_model(path, dtype=dtype, device_map=None if where.type == "cpu" else {"": str(where)})
 
 
 def run(old_path, new_path, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int,
         batch_size: int, dtype: str, device: str) -> Result:
-    """Load OLD and NEW (``dtype``, on ``device``) and measure (see moe_lab.audit.volatility)."""
-    where, torch_dtype = resolve_device(device), getattr(torch, dtype)
-    old = load_model(old_path, dtype=torch_dtype).to(where)
-    new = load_model(new_path, dtype=torch_dtype).to(where)
-    return measure(old, new, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                   batch_size=batch_size)
+    """Load OLD, run its part, free it, then load NEW and run its part (``dtype``, on ``device``; see
+    moe_lab.audit.volatility): one checkpoint in memory at a time. ``dtype="auto"``: OLD's own, for both."""
+    where = resolve_device(device)
+    dtype = checkpoint_dtype(old_path) if dtype == "auto" else getattr(torch, dtype)
+    old = _load(old_path, dtype, where)
+    parts, layer_idx, family = old_side(old, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        seed=seed, batch_size=batch_size)
+    del old
+    gc.collect()
+    if where.type == "cuda":
+        torch.cuda.empty_cache()
+    return new_side(_load(new_path, dtype, where), parts, layer_idx, family)
 
 
 def write(result: Result, out: Path) -> None:

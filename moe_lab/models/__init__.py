@@ -97,15 +97,32 @@ def checkpoint_family(path: str | Path) -> FamilySpec:
     return spec
 
 
-def load_model(path: str | Path, *, experts_impl: str = "grouped_mm",
-               dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a local checkpoint directory (offline: nothing is downloaded) in eval() mode."""
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The dtype a checkpoint's config.json declares (``dtype``, or ``torch_dtype`` as older transformers wrote
+    it); float32 when it declares none. ValueError when it names something torch has no dtype for."""
+    config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"checkpoint={str(path)!r}: config.json declares dtype={name!r}, not a torch floating dtype; "
+                         "name one (e.g. bfloat16)")
+    return dtype
+
+
+def load_model(path: str | Path, *, experts_impl: str = "grouped_mm", dtype: torch.dtype | str = torch.float32,
+               device_map: str | dict | None = None) -> PreTrainedModel:
+    """Load a local checkpoint directory (offline: nothing is downloaded) in eval() mode.
+
+    ``dtype="auto"``: the checkpoint's own (``checkpoint_dtype``). ``device_map``: transformers' (e.g.
+    ``{"": "cuda:0"}``, or ``"auto"`` with accelerate): the weights are read onto their devices in ``dtype``,
+    never built whole in CPU memory first."""
     if experts_impl not in EXPERTS_IMPLS:
         raise ValueError(f"experts_impl={experts_impl!r} is not supported: allowed {', '.join(EXPERTS_IMPLS)}")
     path = Path(path).expanduser()
     spec = checkpoint_family(path)
+    dtype = checkpoint_dtype(path) if dtype == "auto" else dtype
     with _quiet_empty_init():
-        model = spec.model_cls.from_pretrained(path, local_files_only=True, dtype=dtype,
+        model = spec.model_cls.from_pretrained(path, local_files_only=True, dtype=dtype, device_map=device_map,
                                                attn_implementation=spec.attn_impl, experts_implementation=experts_impl)
     moe_layers(model)  # a checkpoint whose layers hold no recognised router is refused here
     return model.eval()
@@ -161,5 +178,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_family", "correction_biases", "load_model", "moe_layers",
-           "position_ids_from_mask", "resolve_device"]
+__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_dtype", "checkpoint_family", "correction_biases",
+           "load_model", "moe_layers", "position_ids_from_mask", "resolve_device"]

@@ -72,11 +72,16 @@ class Trace:
             missing = [l for l, p in enumerate(self._parts) if len(p) < max(counts)]
             raise RuntimeError(f"trace: MoE layers {missing} recorded fewer forward calls than the others; "
                                "a path that bypasses the router module ran (no consistent trace)")
-        self._indices = torch.stack([torch.cat([part[0] for part in p], dim=1) for p in self._parts])
+        # a model spread over devices (device_map) records each layer on its own: joined on the first layer's
+        dev = self._parts[0][0][0].device
+
+        def join(i: int) -> Tensor:
+            return torch.stack([torch.cat([part[i].to(dev) for part in p], dim=1) for p in self._parts])
+        self._indices = join(0)
         if self._weights is not None:
-            self._weights = torch.stack([torch.cat([part[1] for part in p], dim=1) for p in self._parts])
+            self._weights = join(1)
         if self._router_logp is not None:
-            self._router_logp = torch.stack([torch.cat([part[2] for part in p], dim=1) for p in self._parts])
+            self._router_logp = join(2)
         self._parts = [[(self._indices[l], None if self._weights is None else self._weights[l],
                          None if self._router_logp is None else self._router_logp[l])]
                        for l in range(len(self._parts))]
