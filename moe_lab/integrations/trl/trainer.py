@@ -32,6 +32,7 @@ from moe_lab.integrations import metric_row as M
 from moe_lab.integrations.batch_routing import (RolloutLogp, position_ids, response_mask_BS, routing_run, to_batch,
                                                 to_trace)
 from moe_lab.integrations.trl.checks import base_model, check_model, check_setup, say_balancing_loss
+from moe_lab.integrations.trl.resume import load_full_checkpoint
 from moe_lab.integrations.trl.vllm import (EngineOutputs, check_rollout_with_vllm, engine_rollout, routed_llm,
                                           wants_routes)
 from moe_lab.integrations.trl.state import LossScope, MoEState, Rollout, join_chunks, old_reference
@@ -87,6 +88,14 @@ class MoEGRPOTrainer(GRPOTrainer):
         # with tools TRL generates again after each tool call: one trace would not cover the final sequences
         return (self.model.training and not self.use_transformers_continuous_batching and not self.tools
                 and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """transformers' resume, except that a full-model checkpoint is read through ``from_pretrained``'s
+        conversion (the experts saved one per expert, merged back into the model's fused layout) instead of a
+        plain ``load_state_dict`` that leaves them at their initial weights (trl/resume.py)."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not load_full_checkpoint(
+                self.accelerator.unwrap_model(model if model is not None else self.model), resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     # ------------------------------------------------------------------------------------------- generation
 
