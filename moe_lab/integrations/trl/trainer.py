@@ -17,6 +17,7 @@ routing state is one explicit object per trainer (``MoEState``).
 
 from __future__ import annotations
 
+import inspect
 from contextlib import ExitStack
 
 import torch
@@ -31,7 +32,8 @@ from moe_lab.algos.ratio_metrics import ratio_decomposition
 from moe_lab.integrations import metric_row as M
 from moe_lab.integrations.batch_routing import (RolloutLogp, position_ids, response_mask_BS, routing_run, to_batch,
                                                 to_trace)
-from moe_lab.integrations.trl.checks import base_model, check_model, check_setup, say_balancing_loss
+from moe_lab.integrations.trl.checks import (base_model, check_model, check_reference, check_router_logits,
+                                             check_setup, say_balancing_loss)
 from moe_lab.integrations.trl.resume import load_full_checkpoint
 from moe_lab.integrations.trl.vllm import (EngineOutputs, check_rollout_with_vllm, engine_rollout, routed_llm,
                                           wants_routes)
@@ -41,6 +43,8 @@ from moe_lab.routing import record, router_logp_probe
 
 TRL_TEXT_ONLY = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                  "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
+
+GRPO_INIT = inspect.signature(GRPOTrainer.__init__)  # where peft_config sits among GRPOTrainer's arguments
 
 
 class MoEGRPOTrainer(GRPOTrainer):
@@ -56,6 +60,8 @@ class MoEGRPOTrainer(GRPOTrainer):
             raise ValueError(f"args: expected a MoEGRPOConfig (GRPOConfig plus routing_replay, moe_metrics), got "
                              f"{type(args).__name__}")
         check_model(model)  # before TRL builds a reference model, an engine or optimizer state
+        check_reference(model, args, self._moe_peft_config(model, reward_funcs, args, rest, kwargs))
+        check_router_logits(model, args)
         check_rollout_with_vllm(args)
         engine = EngineOutputs()
         with routed_llm(trl_vllm, engine, wants_routes(args)):
@@ -65,10 +71,19 @@ class MoEGRPOTrainer(GRPOTrainer):
         self._moe_layer_idx = [layer.layer_idx for layer in layers]
         self._moe, self._moe_engine = MoEState(), engine
         self._moe_row = M.MetricRow(self._moe_layer_idx)
+        if args.freeze_router:  # before train() builds the optimizer: no gradient, no update, no AdamW state
+            for layer in layers:
+                layer.router.requires_grad_(False)
         check_setup(self)
         say_balancing_loss(self)
 
     # ------------------------------------------------------------------------------------------- setup
+
+    @staticmethod
+    def _moe_peft_config(model, reward_funcs, args, rest, kwargs):
+        """The peft_config given to GRPOTrainer, by keyword or position."""
+        bound = GRPO_INIT.bind_partial(None, model, reward_funcs, args, *rest, **kwargs)
+        return bound.arguments.get("peft_config")
 
     @property
     def _moe_net(self):
