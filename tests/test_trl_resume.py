@@ -91,3 +91,24 @@ def test_a_checkpoint_without_an_expert_is_refused_in_one_line(tmp_path, trained
     with pytest.raises(ValueError, match="cannot resume from .*checkpoint-2/model.safetensors") as err:
         run(tmp_path, "qwen3_moe", resume=str(broken))
     assert "\n" not in str(err.value)
+
+
+def test_a_run_resumed_midway_ends_where_the_uninterrupted_run_ends(tmp_path):
+    """R2 with metrics, 4 steps saving at 2: resuming at 2 gives the uninterrupted run's weights bit for bit and the
+    same logged losses and routing metrics (optimizer, scheduler and RNG come from the checkpoint, the experts too)."""
+    def four_steps(out, resume=None):
+        kw = T.config_kwargs(out, "old", learning_rate=0.05, max_steps=4, save_strategy="steps", save_steps=2)
+        torch.manual_seed(0)
+        model = T.tiny_model("qwen3_moe")
+        trainer = MoEGRPOTrainer(model=model, reward_funcs=length_reward, args=MoEGRPOConfig(**kw),
+                                 train_dataset=T.dataset(), processing_class=T.TOKENIZER)
+        trainer.train(resume_from_checkpoint=resume)
+        rows = [{k: v for k, v in r.items() if k == "loss" or k.startswith("routing/")}
+                for r in trainer.state.log_history if "loss" in r]
+        return weights(model), rows
+
+    whole, whole_rows = four_steps(tmp_path / "a")
+    resumed, resumed_rows = four_steps(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
+    assert len(whole_rows) == 4 and resumed_rows == whole_rows
+    assert any(r["routing/expert_change_latent"] > 0 for r in whole_rows[2:])  # routing moved after the resume

@@ -10,7 +10,8 @@ TRL's hooks overridden, each calling TRL's own code (trl 1.16):
   them on their rows);
 - ``_prepare_inputs`` + ``training_step``: the loss forward AND its backward run inside one replay() (or
   record()) of the batch's routing, so gradient checkpointing's recompute routes as the forward did;
-- ``log``: the metric parts of every microbatch since the last log, combined over microbatches and ranks.
+- ``log``: the metric parts of every microbatch since the last log, combined over microbatches and ranks;
+- transformers' ``_load_from_checkpoint``: a resume reads the experts in the layout they were saved in (resume.py).
 Every hook sits on the model generation and the forwards actually call (a PEFT model's base model). The
 routing state is one explicit object per trainer (``MoEState``).
 """
@@ -49,8 +50,8 @@ GRPO_INIT = inspect.signature(GRPOTrainer.__init__)  # where peft_config sits am
 
 class MoEGRPOTrainer(GRPOTrainer):
     """GRPOTrainer, used the same way, for transformers MoE models of moe_lab's families (PEFT-wrapped too);
-    ``args`` is a MoEGRPOConfig (``routing_replay``, ``routing_replay_weights``, ``moe_metrics``,
-    ``moe_decomp_every``, ``moe_position_ids``)."""
+    ``args`` is a MoEGRPOConfig (``routing_replay``, ``routing_replay_weights``, ``freeze_router``,
+    ``moe_metrics``, ``moe_decomp_every``, ``moe_position_ids``)."""
 
     def __init__(self, model, reward_funcs, args: MoEGRPOConfig | None = None, *rest, **kwargs):
         if args is None:
