@@ -39,11 +39,12 @@ def load_full_checkpoint(model, folder: str | Path) -> bool:
     file = full_weights_file(folder)
     if file is None or not isinstance(model, PreTrainedModel):
         return False
-    # the live model's own config: the checkpoint is read into the architecture it will be copied into
+    # the live model's own config: the checkpoint is read into the architecture it will be copied into; only its
+    # weights are kept, so no hub kernels (transformers >= 5.25 would otherwise need the `kernels` package)
     try:
         loaded, info = type(model).from_pretrained(str(folder), config=copy.deepcopy(model.config), dtype=model.dtype,
                                                    local_files_only=True, output_loading_info=True,
-                                                   ignore_mismatched_sizes=True)
+                                                   ignore_mismatched_sizes=True, use_kernels=False)
     except (RuntimeError, OSError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"MoEGRPOTrainer: cannot resume from {file}: transformers could not read it ({first})") \
