@@ -1,10 +1,11 @@
 """What MoEGRPOTrainer refuses, warns about or says at construction, each in one line.
 
-``check_model`` and ``check_reference`` run before TRL builds anything (reference model, vLLM engine, optimizer
-state): a model with no router of moe_lab's families is refused from its config (a model id or folder) or its
-modules; ``beta`` > 0 is refused where TRL could not build its reference model (a model built in memory) or where
-the policy would score it (PEFT); ``check_router_logits`` refuses output_router_logits=True (generate() fails). ``check_setup`` runs after TRL's own checks, on what TRL decided (on-policy or
-not). ``say_balancing_loss`` logs what TRL does with the MoE load-balancing loss (on by default for MoE models).
+``check_model``, ``check_reference`` and ``check_router_logits`` run before TRL builds anything (reference model,
+vLLM engine, optimizer state): a model with no router of moe_lab's families is refused from its config (a model id
+or folder) or its modules; ``beta`` > 0 where TRL could not build its reference model (a model built in memory) or
+where the policy would score it (PEFT); output_router_logits=True, on which transformers' generate() fails.
+``check_setup`` runs after TRL's own checks, on what TRL decided (on-policy or not). ``say_balancing_loss`` logs
+what TRL does with the MoE load-balancing loss (on by default for MoE models).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def text_config(model):
 
 
 def check_router_logits(model, args) -> None:
-    """output_router_logits=True makes transformers' generate() (5.24) compute the balancing loss at each decoding
+    """output_router_logits=True makes transformers' generate() (5.24, 5.25) compute the balancing loss at each decoding
     step against the whole attention mask and fail at the second token; TRL adds the loss itself either way."""
     if not args.use_vllm and getattr(text_config(model), "output_router_logits", None) is True:
         raise ValueError("MoEGRPOTrainer: output_router_logits=True in the model config makes transformers' "
