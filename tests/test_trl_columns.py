@@ -21,6 +21,7 @@ from trl import GRPOTrainer  # noqa: E402
 from trl_spy import old_vs_loss, train  # noqa: E402
 
 from moe_lab.integrations.trl import MoEGRPOConfig, MoEGRPOTrainer  # noqa: E402
+from moe_lab.models.families import FAMILIES  # noqa: E402
 from moe_lab.routing import expert_change  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,7 @@ def test_an_untested_trl_is_refused_with_the_pip_command_and_the_switch():
 def test_moe_lab_allow_untested_trl_turns_the_refusal_into_a_warning():
     done = run_python(UNTESTED, {"MOE_LAB_ALLOW_UNTESTED_TRL": "1"})
     assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-1500:]
-    assert "found trl 1.17.0" in done.stderr and "MOE_LAB_ALLOW_UNTESTED_TRL=1" in done.stderr
+    assert done.stderr.count("found trl 1.17.0") == 1 and "MOE_LAB_ALLOW_UNTESTED_TRL=1" in done.stderr
 
 
 def test_a_dense_model_is_refused_before_trl_builds_anything(tmp_path, monkeypatch):
@@ -147,10 +148,13 @@ def test_a_dense_model_is_refused_before_trl_builds_anything(tmp_path, monkeypat
 
     monkeypatch.setattr(GRPOTrainer, "__init__", built)
     dense = AutoModelForCausalLM.from_config(Qwen3Config(**{**SIZES, "num_hidden_layers": 1}))
-    with pytest.raises(ValueError, match="no MoE router of a supported family") as err:
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no MoE router of a supported family") as err:
         MoEGRPOTrainer(model=dense, reward_funcs=T.reward, args=config(tmp_path / "out"))
-    assert "\n" not in str(err.value)
+    said = [str(err.value)]
     dense.save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match="model_type='qwen3', not an MoE family") as err:
         MoEGRPOTrainer(model=str(tmp_path / "dense"), reward_funcs=T.reward, args=config(tmp_path / "out"))
-    assert "\n" not in str(err.value)
+    said.append(str(err.value))
+    for line in said:  # short: the count from the registry, the list in the docs (not the names of every family)
+        assert "\n" not in line and f"the {len(FAMILIES)} MoE families" in line and "docs/trl.md#models" in line
+        assert not [name for name in FAMILIES if name in line]

@@ -84,6 +84,32 @@ def test_with_replayed_weights_the_policy_loss_gives_the_router_no_gradient(tmp_
     assert (sum(grads) == 0.0) == replay_weights
 
 
+@pytest.mark.parametrize("replay_weights,aux_coef,freeze,still", [
+    (True, 0.0, False, True),      # weight replay and no balancing loss: nothing reaches the router
+    (True, None, True, True),      # weight replay, balancing loss on, router frozen
+    (True, None, False, False),    # weight replay alone: the balancing loss moves the router
+    (False, 0.0, False, False),    # ids only: the policy loss moves it through the recomputed weights
+    (False, None, False, False)])
+def test_the_router_holds_still_only_with_weight_replay_and_no_balancing_loss_or_frozen(
+        tmp_path, caplog, replay_weights, aux_coef, freeze, still):
+    """The router weights after 2 updates at a large learning rate, and the construction line that says why."""
+    with caplog.at_level(logging.INFO, logger="moe_lab.integrations.trl"):
+        t = T.trainer(tmp_path, "qwen3_moe", "old", learning_rate=0.5, routing_replay_weights=replay_weights,
+                      router_aux_loss_coef=aux_coef, freeze_router=freeze)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("still does" in said and "freeze_router=True holds it still" in said) == (
+        replay_weights and aux_coef is None and not freeze)
+    t.reward_funcs = [length_reward]
+    before = routers(t.model)
+    t.train()
+    assert any(abs(r["reward_std"]) > 0 for r in t.state.log_history if "reward_std" in r)
+    moved = [not torch.equal(a, b) for a, b in zip(before, routers(t.model))]
+    assert moved == [not still] * len(moved)
+    frozen = {id(layer.router.weight) for layer in moe_layers(t.model)}
+    optimized = {id(p) for group in t.optimizer.param_groups for p in group["params"]}
+    assert bool(frozen & optimized) == (not freeze)  # a frozen router is not in the optimizer (no AdamW state)
+
+
 def aux_loss(logits: list[torch.Tensor], ids: list[torch.Tensor], mask_N: torch.Tensor, E: int) -> float:
     """transformers' Switch balancing loss E * sum_e f_e P_e over layers, with f_e from the given top-k ids."""
     m = mask_N.float()

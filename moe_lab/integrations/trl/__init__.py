@@ -9,7 +9,8 @@
 Needs TRL in the tested range (``pip install 'moe_lab[trl]'``); anything else is refused here in one line
 (``MOE_LAB_ALLOW_UNTESTED_TRL=1``: a warning instead). Modules: ``config`` (MoEGRPOConfig), ``trainer``
 (MoEGRPOTrainer), ``state`` (its per-trainer routing state), ``checks`` (what is refused or said at
-construction), ``vllm`` (routed experts from TRL's colocated vLLM engine), ``version``. What is not TRL-specific
+construction), ``resume`` (a checkpoint's experts read in the layout transformers saved them), ``vllm`` (routed
+experts from TRL's colocated vLLM engine), ``version``. What is not TRL-specific
 lives one level up: ``moe_lab.integrations.batch_routing`` and ``moe_lab.integrations.metric_row``.
 """
 

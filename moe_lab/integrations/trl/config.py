@@ -32,6 +32,11 @@ class MoEGRPOConfig(GRPOConfig):
                 "the expert ids (moe_lab's rl.replay_gate_weights; prime-rl's Total Router Recall). The combine then "
                 "holds constants: the policy loss sends the router no gradient (only TRL's balancing loss does, "
                 "when on)."})
+    freeze_router: bool = field(default=False, metadata={
+        "help": "Freeze every MoE layer's router (requires_grad=False before the optimizer is built: no gradient, "
+                "no update, no AdamW state; moe_lab's rl.freeze_router, prime-rl's freeze_moe_router). With "
+                "routing_replay_weights=True the policy loss already sends the router no gradient, but TRL's "
+                "balancing loss still does when on: this (or router_aux_loss_coef=0.0) holds the router still."})
     moe_metrics: bool = field(default=True, metadata={
         "help": "Log moe_lab's routing and mismatch metrics (routing/*, mismatch/*, ratio/token_var; "
                 "docs/metrics.md) in TRL's logs. False: only the routing replay needs runs."})
@@ -48,7 +53,7 @@ class MoEGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.routing_replay not in REPLAY_MODES:
             raise ValueError(f"routing_replay={self.routing_replay!r}: allowed {', '.join(REPLAY_MODES)}")
-        for name in ("moe_metrics", "moe_position_ids", "routing_replay_weights"):
+        for name in ("moe_metrics", "moe_position_ids", "routing_replay_weights", "freeze_router"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: allowed True or False")
         every = self.moe_decomp_every

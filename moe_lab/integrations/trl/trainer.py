@@ -10,13 +10,15 @@ TRL's hooks overridden, each calling TRL's own code (trl 1.16):
   them on their rows);
 - ``_prepare_inputs`` + ``training_step``: the loss forward AND its backward run inside one replay() (or
   record()) of the batch's routing, so gradient checkpointing's recompute routes as the forward did;
-- ``log``: the metric parts of every microbatch since the last log, combined over microbatches and ranks.
+- ``log``: the metric parts of every microbatch since the last log, combined over microbatches and ranks;
+- transformers' ``_load_from_checkpoint``: a resume reads the experts in the layout they were saved in (resume.py).
 Every hook sits on the model generation and the forwards actually call (a PEFT model's base model). The
 routing state is one explicit object per trainer (``MoEState``).
 """
 
 from __future__ import annotations
 
+import inspect
 from contextlib import ExitStack
 
 import torch
@@ -31,7 +33,9 @@ from moe_lab.algos.ratio_metrics import ratio_decomposition
 from moe_lab.integrations import metric_row as M
 from moe_lab.integrations.batch_routing import (RolloutLogp, position_ids, response_mask_BS, routing_run, to_batch,
                                                 to_trace)
-from moe_lab.integrations.trl.checks import base_model, check_model, check_setup, say_balancing_loss
+from moe_lab.integrations.trl.checks import (base_model, check_model, check_reference, check_router_logits,
+                                             check_setup, say_balancing_loss)
+from moe_lab.integrations.trl.resume import load_full_checkpoint
 from moe_lab.integrations.trl.vllm import (EngineOutputs, check_rollout_with_vllm, engine_rollout, routed_llm,
                                           wants_routes)
 from moe_lab.integrations.trl.state import LossScope, MoEState, Rollout, join_chunks, old_reference
@@ -41,11 +45,13 @@ from moe_lab.routing import record, router_logp_probe
 TRL_TEXT_ONLY = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                  "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images", "num_tiles")
 
+GRPO_INIT = inspect.signature(GRPOTrainer.__init__)  # where peft_config sits among GRPOTrainer's arguments
+
 
 class MoEGRPOTrainer(GRPOTrainer):
     """GRPOTrainer, used the same way, for transformers MoE models of moe_lab's families (PEFT-wrapped too);
-    ``args`` is a MoEGRPOConfig (``routing_replay``, ``routing_replay_weights``, ``moe_metrics``,
-    ``moe_decomp_every``, ``moe_position_ids``)."""
+    ``args`` is a MoEGRPOConfig (``routing_replay``, ``routing_replay_weights``, ``freeze_router``,
+    ``moe_metrics``, ``moe_decomp_every``, ``moe_position_ids``)."""
 
     def __init__(self, model, reward_funcs, args: MoEGRPOConfig | None = None, *rest, **kwargs):
         if args is None:
@@ -55,6 +61,8 @@ class MoEGRPOTrainer(GRPOTrainer):
             raise ValueError(f"args: expected a MoEGRPOConfig (GRPOConfig plus routing_replay, moe_metrics), got "
                              f"{type(args).__name__}")
         check_model(model)  # before TRL builds a reference model, an engine or optimizer state
+        check_reference(model, args, self._moe_peft_config(model, reward_funcs, args, rest, kwargs))
+        check_router_logits(model, args)
         check_rollout_with_vllm(args)
         engine = EngineOutputs()
         with routed_llm(trl_vllm, engine, wants_routes(args)):
@@ -64,10 +72,19 @@ class MoEGRPOTrainer(GRPOTrainer):
         self._moe_layer_idx = [layer.layer_idx for layer in layers]
         self._moe, self._moe_engine = MoEState(), engine
         self._moe_row = M.MetricRow(self._moe_layer_idx)
+        if args.freeze_router:  # before train() builds the optimizer: no gradient, no update, no AdamW state
+            for layer in layers:
+                layer.router.requires_grad_(False)
         check_setup(self)
         say_balancing_loss(self)
 
     # ------------------------------------------------------------------------------------------- setup
+
+    @staticmethod
+    def _moe_peft_config(model, reward_funcs, args, rest, kwargs):
+        """The peft_config given to GRPOTrainer, by keyword or position."""
+        bound = GRPO_INIT.bind_partial(None, model, reward_funcs, args, *rest, **kwargs)
+        return bound.arguments.get("peft_config")
 
     @property
     def _moe_net(self):
@@ -87,6 +104,14 @@ class MoEGRPOTrainer(GRPOTrainer):
         # with tools TRL generates again after each tool call: one trace would not cover the final sequences
         return (self.model.training and not self.use_transformers_continuous_batching and not self.tools
                 and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """transformers' resume, except that a full-model checkpoint is read through ``from_pretrained``'s
+        conversion (the experts saved one per expert, merged back into the model's fused layout) instead of a
+        plain ``load_state_dict`` that leaves them at their initial weights (trl/resume.py)."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not load_full_checkpoint(
+                self.accelerator.unwrap_model(model if model is not None else self.model), resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     # ------------------------------------------------------------------------------------------- generation
 

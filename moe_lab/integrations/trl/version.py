@@ -5,6 +5,7 @@ warning (a missing TRL is still refused: there is nothing to run)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -13,6 +14,7 @@ _LOW, _HIGH = (1, 16), (1, 17)
 ALLOW_ENV = "MOE_LAB_ALLOW_UNTESTED_TRL"
 
 
+@functools.cache  # every module of the package asks; the override's warning is said once per process
 def require_trl() -> str:
     """TRL's version, or ImportError in one line when TRL is missing or (unless MOE_LAB_ALLOW_UNTESTED_TRL=1)
     outside TESTED_RANGE."""
