@@ -23,14 +23,14 @@ from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.coldstarts import mixed_notes
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import Cell, expand
-from moe_lab.rl.run_folder import CONFLICT, DONE, ResultsFolder, RunFolder, as_results
-from moe_lab.rl.runlog import FINISHED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
+from moe_lab.rl.run_folder import CONFLICT, DONE, UNVERIFIED, ResultsFolder, RunFolder, as_results
+from moe_lab.rl.runlog import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 
 
 # the states a cell can be in, in the order they are printed: the runner's (run_folder.CELL_STATES) in words, its
 # 'resume' told apart by what the manifest and the .lock say ('unverified': the manifest says finished, but the
 # tables do not hold the rows the run committed, so the runner runs it again)
-STATES = ("finished", "running", "stopped", "interrupted", "failed", "unverified", "other config", "not started")
+STATES = ("finished", "running", "stopped", "interrupted", "failed", UNVERIFIED, "other config", "not started")
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def cell_progress(cell: Cell, run_dir: Path, block: object) -> CellProgress:
         state = "running" if pid else "stopped"
     elif status in (STATUS_INTERRUPTED, STATUS_FAILED):
         state = status
-    elif status in FINISHED:
-        state = "unverified"
+    elif folder.verified_status() == UNVERIFIED:
+        state = UNVERIFIED
     else:
         state = "not started"
     steps_done = int(folder.manifest.get("steps_done", 0)) if state == "finished" else folder.steps_logged()
@@ -133,9 +133,9 @@ def report(results: Path, exp: dict, cells: list[CellProgress], jobs: int | None
     lines.append("finished per arm" + (f" and {blocks.field}" if blocks else "") + ":")
     lines += ["  " + line for line in _grid(cells)]
     for c in cells:
-        if c.state in ("failed", "interrupted", "stopped", "unverified", "other config"):
+        if c.state in ("failed", "interrupted", "stopped", UNVERIFIED, "other config"):
             why = {"stopped": "no live process holds it: the runner resumes it from its last checkpoint",
-                   "unverified": "its manifest says finished, but its tables do not hold the rows it committed: "
+                   UNVERIFIED: "its manifest says finished, but its tables do not hold the rows it committed: "
                                  "the runner runs it again",
                    "other config": "its folder holds a run of another config: the runner refuses it without "
                                    "--overwrite"}

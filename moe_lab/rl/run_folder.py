@@ -29,6 +29,9 @@ RUNS_DIR = "runs"
 # the runner's cell states
 NEW, DONE, RESUME, CONFLICT = "new", "done", "resume", "conflict"
 CELL_STATES = (NEW, DONE, RESUME, CONFLICT)
+# what a reader shows for a manifest that says finished while its tables do not hold the rows the run committed (the
+# runner resumes it): never written into a manifest
+UNVERIFIED = "unverified"
 # The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed
 # (status 'failed', no traceback) is told apart from a run that failed on an error.
 STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
@@ -131,6 +134,10 @@ class RunFolder:
         """'done' or 'collapsed' for a finished run whose tables hold what it committed (never recomputed), else
         None: the runner resumes it."""
         return self.status if self.status in FINISHED and self._tables_committed() else None
+
+    def verified_status(self) -> str | None:
+        """The manifest's status, UNVERIFIED in place of a finished one that ``finished`` does not confirm."""
+        return UNVERIFIED if self.status in FINISHED and not self.finished() else self.status
 
     def _tables_committed(self) -> bool:
         """The final checkpoint's rows, verified with their digests, or the row counts of the manifest (a folder
