@@ -82,7 +82,8 @@ def test_progress_compare_and_verify_call_finished_exactly_what_the_runner_calls
     statuses = metrics.groupby("run_id")["status"].first()
     assert set(statuses[statuses.isin(("done", "collapsed"))].index) == done
     assert set(unfinished_runs(evals)) == {ids[2], ids[3]}  # ids[4] has no eval rows left to show
-    assert {r.run_id for r in load_reference(results)} == done
+    refs = {r.run_id: r.done for r in load_reference(results)}  # verify re-runs a tampered one, and says so
+    assert {i for i, ok in refs.items() if ok} == done and {i for i, ok in refs.items() if not ok} == {ids[2], ids[3]}
 
 
 def test_a_manifest_is_read_once_and_through_one_upgrade(results):

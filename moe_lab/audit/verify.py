@@ -36,7 +36,10 @@ from moe_lab.config import ConfigError, from_dict, set_dotted, validate
 from moe_lab.constants import MACHINE_ENV
 from moe_lab.audit import verdicts
 from moe_lab.rl.run_folder import ResultsFolder, RunFolder
+from moe_lab.rl.runlog import FINISHED
 
+NOT_DONE = ("the reference's tables do not hold the rows its checkpoint or manifest committed (the runner would run "
+            "it again)")
 DEFAULT_CELLS = 2
 DEFAULT_STEPS = 3
 ALL = "all"
@@ -50,6 +53,7 @@ class RefRun:
     run_dir: Path
     manifest: dict
     config: dict  # the config.yaml as upgraded to the current fields
+    done: bool = True  # what the runner says (RunFolder.finished): False when its tables lack what it committed
 
     @property
     def steps(self) -> int:
@@ -72,8 +76,9 @@ def parse_count(text: str | None, flag: str, default: int) -> int | None:
 
 
 def _read_run(run: RunFolder) -> RefRun | None:
-    """The run folder as a reference cell, or None when it is not a finished run with its tables (the runner's
-    'done': RunFolder.finished)."""
+    """The run folder as a reference cell, or None when its manifest does not say finished (done or collapsed) or
+    it lacks a table. A finished one whose tables no longer hold what it committed (the runner would run it again)
+    is kept, marked not ``done``: its verdict names the rows that changed, and says so."""
     if not (run.manifest_path.is_file() and run.config_path.is_file() and run.metrics_path.is_file()):
         return None
     try:
@@ -85,10 +90,11 @@ def _read_run(run: RunFolder) -> RefRun | None:
         validate(from_dict(config))
     except (ValueError, OSError) as exc:  # ConfigError included
         raise ConfigError(f"{run.config_path}: not a config this code can run ({' '.join(str(exc).split())})") from None
-    if not run.finished():
+    if run.status not in FINISHED:
         return None
     seed = manifest.get("seed", config.get("seed", 0))
-    return RefRun(run.run_id, str(manifest.get("arm", run.run_id)), int(seed), run.path, manifest, config)
+    return RefRun(run.run_id, str(manifest.get("arm", run.run_id)), int(seed), run.path, manifest, config,
+                  run.finished() is not None)
 
 
 def load_reference(folder: Path) -> list[RefRun]:
@@ -101,7 +107,7 @@ def load_reference(folder: Path) -> list[RefRun]:
     runs = [r for r in map(_read_run, results.run_folders()) if r is not None]
     if not runs:
         raise ConfigError(f"RESULTS_DIR: {results.runs_dir} holds no finished run (config.yaml, manifest.json with "
-                          f"status done or collapsed, metrics.parquet holding the rows it committed)")
+                          f"status done or collapsed, metrics.parquet)")
     return sorted(runs, key=lambda r: (r.arm, r.seed, r.run_id))
 
 
@@ -253,6 +259,6 @@ def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: dic
                 failed = True
                 continue
             line, bad = cell_verdict(ref, new_dir, steps, runs, exp)
-            echo(line)
+            echo(line if ref.done else f"{line}; {NOT_DONE}")
             failed = failed or bad
     return 1 if failed else 0

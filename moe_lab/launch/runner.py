@@ -58,13 +58,9 @@ def default_jobs(threads_per_run: int = 1) -> int:
     return max(1, cores // max(threads_per_run, 1))
 
 
-def finished_status(run_dir: Path) -> str | None:
-    """'done' or 'collapsed' for a verified finished run (never recomputed), else None (RunFolder.finished)."""
-    return RunFolder(run_dir).finished()
-
-
 def plan(cells: list[Cell], runs_dir: Path, *, overwrite: bool) -> dict[str, list[Cell]]:
-    """Sort cells by what must happen to them; refuse to overwrite silently."""
+    """Sort cells by what must happen to them (RunFolder.cell_state: new, done, resume, conflict); refuse to
+    overwrite silently."""
     groups: dict[str, list[Cell]] = {state: [] for state in CELL_STATES}
     for c in cells:
         groups[RunFolder(runs_dir / c.run_id).cell_state(dump_yaml(c.config))].append(c)
@@ -325,7 +321,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     where = f"{jobs} worker(s)" if backend is None else backend.describe()
     echo(f"{len(cells)} runs: {len(groups[DONE])} done, {len(groups[RESUME])} to resume, "
          f"{len(groups[NEW])} new; {where} -> {out}")
-    statuses = {c.run_id: finished_status(runs_dir / c.run_id) or STATUS_DONE for c in groups[DONE]}
+    statuses = {c.run_id: RunFolder(runs_dir / c.run_id).finished() or STATUS_DONE for c in groups[DONE]}
     if todo:
         statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress, echo))
     for run_id, status in statuses.items():

@@ -213,7 +213,7 @@ class ResultsFolder:
 
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.experiment_path, yaml.safe_dump(exp, sort_keys=False))
-        self.__dict__["_experiment"] = exp
+        self.__dict__.pop("_experiment", None)  # the next reading is of the file as written
 
     def run(self, run_id: str) -> RunFolder:
         return RunFolder(self.runs_dir / run_id)
