@@ -1,9 +1,10 @@
 """moe_lab: measure what RL does to expert routing in Mixture-of-Experts language models.
 
 The package is layered; each folder imports only from the ones listed before it (docs/architecture.md):
-``config`` / ``constants`` (the bottom), ``algos`` (pure tensor math), ``models`` and ``routing``, ``tasks``,
-``formats`` (routed-expert layouts of other stacks), ``rl`` (the run loop), ``launch`` (experiment grids, runner,
-trackers), ``analysis`` (read results), ``audit`` (verify, check-trace), ``cli``.
+``config`` / ``constants`` / ``objective_specs`` (the bottom), ``algos`` (pure tensor math), ``models`` and
+``routing``, ``tasks``, ``formats`` (routed-expert layouts of other stacks), ``rl`` (the run loop), ``launch``
+(experiment grids, runner, trackers), ``analysis`` (read results), ``audit`` (verify, check-trace), ``cli`` and
+``commands`` (one module per command).
 
 The modules lived in one flat folder before; their old names (``moe_lab.losses``, ``moe_lab.results``,
 ``from moe_lab import plots``...) still import, as aliases of the very same module objects (so that a

@@ -19,8 +19,9 @@ import yaml
 from moe_lab import constants as C
 from moe_lab import config_rules as rules
 from moe_lab.errors import ConfigError
+from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
 from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
-from moe_lab.yaml_io import load_yaml  # noqa: F401 - re-exported: callers read YAML through config
+from moe_lab.yaml_io import apply_overrides, load_yaml, set_dotted  # noqa: F401 - re-exported: callers read YAML through config
 
 
 def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
@@ -95,10 +96,34 @@ class ColdStartConfig:
     eval_samples: int = param(128, "prompts sampled for each accuracy check", ge=1)
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient of the warm-up (the model's own "
                                       "aux loss), so the router starts balanced like a pretrained MoE's", ge=0.0)
+    bias_update_rate: float = param(0.0, "expert-bias step of the warm-up (DeepSeek-V3's aux-loss-free balancing): "
+                                         "after every optimizer step each MoE layer's correction bias moves by "
+                                         "rate * sign(mean load - load) (moe_lab/rl/expert_bias.py); 0 = never "
+                                         "updated. Families with a bias only (deepseek_v3, glm4_moe, minimax_m2, "
+                                         "dots1, deepseek_v32, ernie4_5_moe)", ge=0.0)
     cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
 
 
+def _with_objective_knobs(after: str):
+    """Class decorator (under @dataclass): a float field per objective knob, rl.<prefix>_<name>, with the default,
+    help and bounds of its one declaration (moe_lab/objective_specs.py), inserted after the field ``after``."""
+    def insert(cls: type) -> type:
+        if after not in cls.__annotations__:
+            raise TypeError(f"{cls.__name__}: no field {after!r} to put the objective knobs after")
+        annotations = {}
+        for name, tp in cls.__annotations__.items():
+            annotations[name] = tp
+            if name == after:
+                for field_name, knob in knob_fields(OBJECTIVE_SPECS).items():
+                    annotations[field_name] = "float"
+                    setattr(cls, field_name, param(knob.default, knob.help, **knob.bounds()))
+        cls.__annotations__ = annotations
+        return cls
+    return insert
+
+
 @dataclass
+@_with_objective_knobs(after="dual_clip_c")
 class RLConfig:
     algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
                       choices=C.ALGOS)
@@ -114,6 +139,18 @@ class RLConfig:
                                              "(prime-rl PR #3523): the router then gets no gradient from the combine")
     freeze_router: bool = param(False, "router weights get no gradient, no optimizer update and no AdamW state "
                                        "(prime-rl freeze_moe_router); optim/grad_norm then excludes them")
+    bias_update_rate: float = param(0.0, "expert-bias step during RL: after every optimizer step each MoE layer's "
+                                         "correction bias moves by rate * sign(mean load - load), the loads counted "
+                                         "over that step's update forwards (DeepSeek-V3; Megatron-LM "
+                                         "moe_router_bias_update_rate); 0 = frozen (NeMo-RL, slime). Families with a "
+                                         "bias only, as coldstart.bias_update_rate", ge=0.0)
+    bias_counts: str = param("free", "the expert loads of rl.bias_update_rate under replay: free counts the experts "
+                                     "the router itself would choose (its own top-k on the same scores), replayed "
+                                     "the ids that ran (the forced ones; verl). Equal without replay",
+                             choices=C.BIAS_COUNTS)
+    bias_count_dtype: str = param("float32", "dtype the expert loads of rl.bias_update_rate accumulate and are "
+                                             "compared in; bfloat16 loses integers above 256 (Megatron-LM #7081's "
+                                             "sign flip)", choices=C.BIAS_COUNT_DTYPES)
     clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO/LUSPO 3e-4, CISPO 1.0 = no lower "
                                          "bound, GMPO/RSPO 0.4 in log space, DPPO thresholds TV 0.15 / KL 0.05; "
                                          "SAPO/VESPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
@@ -124,17 +161,7 @@ class RLConfig:
                           choices=C.LOSS_AGGS)
     dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages (grpo and gspo variants); "
                                             "None = off", gt=1.0)
-    sapo_tau_pos: float = param(1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0)
-    sapo_tau_neg: float = param(1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)", gt=0.0)
-    rspo_floor: float = param(0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma but gives "
-                                   "no value we could read; 0.5 is ours)", gt=0.0, le=1.0)
-    dppo_ratio_cap: float = param(10000.0, "DPPO (dppo_tv, dppo_kl) truncation of the detached ratio (verl's "
-                                           "clip_ratio_c; the authors' 10000 = practically off); their clip_low/high "
-                                           "are divergence thresholds", ge=1.0)
-    vespo_k_pos: float = param(2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0)
-    vespo_lambda_pos: float = param(3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0)
-    vespo_k_neg: float = param(3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0)
-    vespo_lambda_neg: float = param(2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)
+    # here: rl.<prefix>_<name>, every objective's own knobs, declared in moe_lab/objective_specs.py
     rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
                                             "truncate (tis), mask (mis) or IcePop's two-sided mask",
                                     choices=C.ROLLOUT_CORRECTION_MODES)
@@ -181,7 +208,14 @@ class RLConfig:
                                      "forwards: emulates non-deterministic forwards, where repeated passes of one "
                                      "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
     rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
-                                          "rollout-vs-train mismatch", choices=C.DTYPES)
+                                          "rollout-vs-train mismatch; float8: fp32 copy whose non-router linears "
+                                          "and experts run e4m3 fake-quantised weights and activations with "
+                                          "blockwise scales (moe_lab/models/numerics.py)", choices=C.ROLLOUT_DTYPES)
+    rollout_kernels: str = param("batch_invariant", "reductions of the rollout copy: batch_invariant = the "
+                                                    "platform's kernels; batch_variant = split-K GEMMs and an MoE "
+                                                    "combine order that follow the batch, so a sequence gets other "
+                                                    "bits in another batch (a non-batch-invariant inference engine)",
+                                 choices=C.ROLLOUT_KERNELS)
     train_dtype: str = param("float32", "autocast dtype of the old-policy and update forwards; master weights, "
                                         "optimizer and log-probs stay fp32 (with rollout_dtype: every pairing)",
                              choices=C.DTYPES)
@@ -307,6 +341,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
     rules.check_replay_options(rl)
+    rules.check_expert_bias(cfg)
     low, high = resolved_clip(rl)
     if not (0.0 <= low < (1.0 if rl.algo not in C.CLIP_LOW_UNBOUNDED else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
@@ -315,6 +350,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"rl.algo={rl.algo}; leave it None")
     rules.check_rollout_correction(rl)
     rules.check_mixture(cfg.task)
+    rules.check_rollout_numerics(rl, m.family)
     return cfg
 
 
@@ -345,38 +381,6 @@ def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any
         else:
             kwargs[f.name] = data[f.name]
     return cls(**kwargs)
-
-
-def _parse_scalar(text: str) -> Any:
-    value = yaml.safe_load(text) if text.strip() else ""
-    if isinstance(value, str):
-        try:  # PyYAML reads "1e-4" (no dot) as a string; users mean a number
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def set_dotted(data: dict, key: str, value: Any) -> None:
-    """data[a][b] = value for key 'a.b', creating sections as needed."""
-    node = data
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {p} is not a section")
-    node[parts[-1]] = value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `section.field=value` overrides (values parsed as YAML scalars) to a config dict."""
-    out = yaml.safe_load(yaml.safe_dump(data or {}))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected the form section.field=value, e.g. rl.algo=gspo")
-        key, text = item.split("=", 1)
-        set_dotted(out, key, _parse_scalar(text))
-    return out
 
 
 def dump_yaml(cfg: Any) -> str:

@@ -55,3 +55,26 @@ def check_rollout_correction(rl) -> None:
     up = default_up if rl.rollout_correction_upper is None else rl.rollout_correction_upper
     if low is not None and not low < up:
         raise ConfigError(f"rl.rollout_correction_lower={low} must be < rl.rollout_correction_upper={up}")
+
+
+def check_expert_bias(cfg) -> None:
+    """Bias updates need a family whose router has a correction bias (a checkpoint's family is checked when it
+    loads: moe_lab/rl/expert_bias.py); the count options apply to RL's updates only."""
+    rl, family = cfg.rl, cfg.model.family
+    for name, rate in (("coldstart.bias_update_rate", cfg.coldstart.bias_update_rate),
+                       ("rl.bias_update_rate", rl.bias_update_rate)):
+        if rate > 0 and cfg.model.checkpoint is None and family not in C.BIAS_FAMILIES:
+            raise ConfigError(f"{name}={rate}: model.family={family} has no expert correction bias; allowed 0, or a "
+                              f"family with one ({', '.join(C.BIAS_FAMILIES)})")
+    if rl.bias_update_rate == 0 and (rl.bias_counts != "free" or rl.bias_count_dtype != "float32"):
+        raise ConfigError(f"rl.bias_counts={rl.bias_counts}/rl.bias_count_dtype={rl.bias_count_dtype} apply to "
+                          "expert-bias updates; set rl.bias_update_rate > 0, or leave them at free/float32")
+
+
+def check_rollout_numerics(rl, family: str) -> None:
+    """float8 and batch_variant rollouts emulate the GEMMs of fused experts laid out [E, 2I, H] without bias
+    (moe_lab/models/numerics.py); gpt_oss's experts (transposed, biased, clamped activation) are not covered."""
+    if (rl.rollout_dtype == "float8" or rl.rollout_kernels == "batch_variant") and family == "gpt_oss":
+        raise ConfigError(f"rl.rollout_dtype={rl.rollout_dtype} / rl.rollout_kernels={rl.rollout_kernels}: not "
+                          "emulated for model.family=gpt_oss (biased, transposed experts); allowed there: "
+                          "rollout_dtype float32/bfloat16 with rollout_kernels=batch_invariant")

@@ -1,33 +1,24 @@
 """Every enumeration of the project, once, torch-free: config's ``choices=`` and the registries read these.
 
-A registry (``objectives.OBJECTIVES``, ``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries;
-``tests/test_constants.py`` checks that its keys equal the names here, so adding an entry means adding
-its name here too (and the config then accepts it).
+A registry (``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries; ``tests/test_constants.py``
+checks that its keys equal the names here, so adding an entry means adding its name here too (and the config
+then accepts it). The objectives' names and traits are derived from their rows in moe_lab/objective_specs.py
+(``objectives.OBJECTIVES`` registers one function per row).
 """
 
 from __future__ import annotations
 
-# Policy objectives (moe_lab/algos/objectives.py). PPO_CLIP_ALGOS: a clipped surrogate on a token or sequence
-# ratio, dual clip allowed; the algorithms the clipped-surrogate properties and the golden file hold for.
-PPO_CLIP_ALGOS = ("grpo", "gspo", "gspo_token", "gspo_unnormalized")
-ALGOS = (*PPO_CLIP_ALGOS, "sapo", "cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl", "luspo", "vespo")
-# clip_low may reach 1 and beyond: CISPO's IS weight has no lower bound, GMPO/RSPO clip the log ratio,
-# DPPO's bounds are divergence thresholds (a TV threshold >= 1 or any KL one is simply never reached).
-CLIP_LOW_UNBOUNDED = ("cispo", "gmpo", "rspo", "dppo_tv", "dppo_kl")
+from moe_lab.objective_specs import OBJECTIVE_SPECS
 
-# The default clip range (clip_low, clip_high) of each objective. CISPO: no lower bound on its IS weight
-# (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper publishing none; GMPO/RSPO: +-0.4 on the LOG
-# ratio; SAPO and VESPO have no clip (GRPO's range for clip_frac/*). DPPO (arXiv:2602.04879): thresholds on
-# the divergence estimate, not the ratio: TV 0.15 / 0.15 and binary KL 0.05 / 0.05, the values of the authors'
-# run script (verl examples/dppo_trainer/run_qwen30b_dppo.sh, Stable-RL). LUSPO (arXiv:2602.05261) is GSPO
-# with a length factor: GSPO's range.
-PAPER_CLIP = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gspo_unnormalized": (3e-4, 4e-4),
-              "sapo": (0.2, 0.27), "cispo": (1.0, 0.28), "gmpo": (0.4, 0.4), "rspo": (0.4, 0.4),
-              "dppo_tv": (0.15, 0.15), "dppo_kl": (0.05, 0.05), "luspo": (3e-4, 4e-4), "vespo": (0.2, 0.27)}
-# Objectives whose clip acts on the token ratio w_t: ratio/route_clip_exit_frac uses the run's clip range for
-# these and GRPO's paper range for the others (sequence-level ratios, log-space clips, DPPO's divergence
-# thresholds, VESPO's kernel).
-TOKEN_CLIP_ALGOS = ("grpo", "sapo", "cispo")
+# Policy objectives: derived from their one declaration, the rows of moe_lab/objective_specs.py (traits
+# explained there). PPO_CLIP_ALGOS: a clipped surrogate, dual clip allowed; CLIP_LOW_UNBOUNDED: clip_low may
+# reach 1 and beyond; TOKEN_CLIP_ALGOS: the clip acts on the token ratio (ratio/route_clip_exit_frac uses the
+# run's range for these, GRPO's paper range for the others); PAPER_CLIP: (clip_low, clip_high) by default.
+ALGOS = tuple(OBJECTIVE_SPECS)
+PPO_CLIP_ALGOS = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.ppo_clip)
+CLIP_LOW_UNBOUNDED = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.clip_low_unbounded)
+TOKEN_CLIP_ALGOS = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.token_clip)
+PAPER_CLIP = {name: spec.paper_clip for name, spec in OBJECTIVE_SPECS.items()}
 
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
@@ -49,12 +40,22 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_os
 # families whose HF config has norm_topk_prob (model.norm_topk_prob may override it); the others always renormalise
 NORM_TOPK_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "dots1",
                       "deepseek_v32")
+# families whose router chooses with a per-expert correction bias (DeepSeek-V3's aux-loss-free balancing), the
+# ones coldstart/rl.bias_update_rate may update (FamilySpec.bias says where each keeps it)
+BIAS_FAMILIES = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1", "deepseek_v32", "ernie4_5_moe")
+# rl.bias_counts: which experts a replayed update forward counts: the router's own choice, or the ids that ran
+BIAS_COUNTS = ("free", "replayed")
+BIAS_COUNT_DTYPES = ("float32", "bfloat16")  # dtype the expert-bias token counts accumulate in (Megatron #7081)
 # The single tasks; "mixture" composes several of them (task.mixture), each prompt tagged with its task.
 SINGLE_TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
 TASKS = (*SINGLE_TASKS, "mixture")
 EXPERTS_KERNELS = ("grouped_mm", "eager")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16")
+# the rollout copy may also run e4m3-fake-quantised GEMMs in fp32 (moe_lab/models/numerics.py); training may not
+ROLLOUT_DTYPES = (*DTYPES, "float8")
+# batch_invariant: the platform's own kernels (the default, unchanged); batch_variant: reductions that follow the batch
+ROLLOUT_KERNELS = ("batch_invariant", "batch_variant")
 
 # environment variables that pin the CPU kernels' ISA (ATen, MKL, oneDNN): recorded in manifests as machine.env,
 # hashed into the cold-start cache key when set, set by moe-lab run --cpu-isa (moe_lab/launch/isa.py)

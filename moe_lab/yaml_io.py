@@ -1,7 +1,10 @@
 """Reading YAML safely: experiments and configs come from other people, so a file never runs code, and
-every way it can be wrong (syntax, duplicate keys, object tags, empty, not a mapping) is one line naming it."""
+every way it can be wrong (syntax, duplicate keys, object tags, empty, not a mapping) is one line naming it; and
+`section.field=value` overrides, parsed as YAML scalars, applied to a config dict."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import yaml
 
@@ -55,3 +58,38 @@ def load_yaml(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+# --------------------------------------------------------------------------- overrides (section.field=value)
+
+
+def _parse_scalar(text: str) -> Any:
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        try:  # PyYAML reads "1e-4" (no dot) as a string; users mean a number
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    """data[a][b] = value for key 'a.b', creating sections as needed."""
+    node = data
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.field=value` overrides (values parsed as YAML scalars) to a config dict."""
+    out = yaml.safe_load(yaml.safe_dump(data or {}))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected the form section.field=value, e.g. rl.algo=gspo")
+        key, text = item.split("=", 1)
+        set_dotted(out, key, _parse_scalar(text))
+    return out

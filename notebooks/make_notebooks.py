@@ -265,9 +265,10 @@ CONFIRMATION = {
         ("md", "## The contrasts an experiment file declared\n"
                "`router_learns` fixed its contrasts before its runs: GSPO − R2 and R2 − GRPO (equivalence within "
                "±0.05, TOST) primary, Holm-adjusted together; (R2 + weights) − R2 and (R2 + weights) − GSPO "
-               "secondary. Each is taken within a setting, with the cold start as a block (a mixed model with a "
-               "random intercept per cold start and per cold start × arm); the per-cold-start differences are "
-               "printed beside it, and the run-level Welch interval that ignores the cold start for comparison."),
+               "secondary. Each is taken within a setting, with the cold start as the unit (the t over the per-cold-start "
+               "differences, what a new cold start would show); the interval conditional on these cold starts is "
+               "printed beside it, labelled so, then the per-cold-start differences and, for comparison, the "
+               "run-level Welch interval that ignores the cold start."),
         ("code", DECLARED),
         ("md", "## Learning curves\nGreedy accuracy at each scheduled evaluation (top) and sampled reward per step "
                "(bottom): mean over seeds with a 95% t band, a stopped run holding its last value; shaded, the "

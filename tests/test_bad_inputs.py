@@ -49,6 +49,9 @@ CASES = [
     ("float_inf", None, ["rl.lr=1e400"], "rl.lr"),
     ("bad_choice", None, ["rl.algo=ppo"], "rl.algo"),
     ("report_to_unknown", None, ["--report-to", "mlflow"], "--report-to"),
+    # smoke's family (qwen3_moe) has no expert correction bias to update
+    ("bias_rate_no_bias", None, ["rl.bias_update_rate=0.001"], "rl.bias_update_rate=0.001: model.family=qwen3_moe"),
+    ("coldstart_bias_rate_no_bias", None, ["coldstart.bias_update_rate=0.001"], "coldstart.bias_update_rate"),
 ]
 
 

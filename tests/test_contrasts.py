@@ -1,24 +1,23 @@
-"""Declared contrasts (`moe-lab compare` on an experiment with ``blocks:`` and ``contrasts:``): the mixed model
-equals the one-sample t-test of the per-cold-start differences where the math says it must and statsmodels'
-REML fit elsewhere; Holm and TOST equal statsmodels'; blocks expand into nested, interleaved cells; bad blocks
-and contrasts get one line."""
+"""Declared contrasts (`moe-lab compare` on an experiment with ``blocks:`` and ``contrasts:``): the cold-start-
+level interval is the one-sample t of the per-cold-start differences, the conditional one is Welch's on one cold
+start and ignores checkpoint-specific effects; Holm and TOST equal statsmodels'; blocks expand into nested,
+interleaved cells; bad blocks and contrasts get one line."""
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pandas as pd
 import pytest
 from scipy import stats
 
-from moe_lab.analysis.contrasts import declared_contrasts, holm, mixed_contrast, tost_p
+from moe_lab.analysis.contrasts import declared_contrasts
+from moe_lab.analysis.stats import block_cells, cold_start_level, conditional, holm, tost_p
 from moe_lab.config import ConfigError, load_yaml
 from moe_lab.launch.design import Contrast, blocks_spec, contrasts_spec
 from moe_lab.launch.experiment import expand
 from moe_lab.launch.runner import seed_major
 
-sm_formula = pytest.importorskip("statsmodels.formula.api")
 multitest = pytest.importorskip("statsmodels.stats.multitest")
 weightstats = pytest.importorskip("statsmodels.stats.weightstats")
 
@@ -39,60 +38,47 @@ def _block_diffs(df: pd.DataFrame) -> np.ndarray:
     return (means["A"] - means["B"]).to_numpy()
 
 
+def _cells(df: pd.DataFrame):
+    return block_cells(df["y"], df["arm"] == "A", df["block"])
+
+
 @pytest.mark.parametrize("seed", [1, 2, 7, 8])
-def test_balanced_mixed_contrast_is_the_t_test_of_per_block_differences(seed):
-    # Balanced, with both block variances estimated above 0 (on a boundary REML pools sums of squares):
-    # the contrast's variance is s_d^2 / m on m - 1 degrees of freedom (the summary-statistics identity), so
-    # every figure equals the one-sample t-test's.
+def test_cold_start_level_is_the_t_test_of_per_block_differences(seed):
+    # The unit of generalisation is the cold start: every figure equals scipy's one-sample t-test of the m
+    # per-cold-start differences, on m - 1 degrees of freedom, whatever the run counts inside each cold start.
     df = _blocked(seed)
-    fit = mixed_contrast(df["y"], df["arm"] == "A", df["block"])
-    assert fit["s2_v"] > 0 and fit["s2_b"] > 0
+    df = df.drop(df.index[: 1 + seed % 4])  # unbalanced: the per-block means still carry one value per cold start
+    fit = cold_start_level(_cells(df))
     d = _block_diffs(df)
     ref = stats.ttest_1samp(d, 0.0)
-    assert fit["diff"] == pytest.approx(d.mean(), abs=1e-12)
-    assert fit["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-6)
-    assert fit["df"] == pytest.approx(len(d) - 1, rel=1e-6)
-    assert fit["p"] == pytest.approx(ref.pvalue, rel=1e-5)
+    assert fit.diff == pytest.approx(d.mean(), abs=1e-12)
+    assert fit.df == len(d) - 1
+    assert fit.p == pytest.approx(ref.pvalue, rel=1e-9)
     lo, hi = ref.confidence_interval()
-    assert (fit["lo"], fit["hi"]) == (pytest.approx(lo, rel=1e-5), pytest.approx(hi, rel=1e-5))
+    assert (fit.lo, fit.hi) == (pytest.approx(lo, rel=1e-9), pytest.approx(hi, rel=1e-9))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_unbalanced_mixed_contrast_matches_statsmodels_reml(seed):
-    df = _blocked(seed)
-    df = df[np.random.default_rng(seed + 10).random(len(df)) > 0.25]
-    fit = mixed_contrast(df["y"], df["arm"] == "A", df["block"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = sm_formula.mixedlm("y ~ 0 + C(arm)", df, groups="block", re_formula="1",
-                                 vc_formula={"cell": "0 + C(arm)"}).fit(reml=True)
-    c = np.array([1.0, -1.0])
-    se = float(np.sqrt(c @ ref.cov_params().iloc[:2, :2].to_numpy() @ c))
-    assert fit["diff"] == pytest.approx(float(ref.fe_params.to_numpy() @ c), abs=1e-6)
-    # statsmodels stops its optimiser earlier than ours: variance components agree to ~1e-4 relative
-    assert fit["se"] == pytest.approx(se, rel=2e-3)
-    assert fit["s2_e"] == pytest.approx(ref.scale, rel=2e-3)
+def test_conditional_on_one_cold_start_is_welch():
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(0.5, 0.05, 7), rng.normal(0.45, 0.12, 11)
+    df = pd.DataFrame({"y": np.r_[a, b], "arm": ["A"] * 7 + ["B"] * 11, "block": 0})
+    fit = conditional(_cells(df))
+    ref = weightstats.CompareMeans(weightstats.DescrStatsW(a), weightstats.DescrStatsW(b))
+    assert fit.p == pytest.approx(ref.ttest_ind(usevar="unequal")[1], rel=1e-9)
+    assert (fit.lo, fit.hi) == tuple(pytest.approx(v, rel=1e-9) for v in ref.tconfint_diff(usevar="unequal"))
+    assert np.isnan(cold_start_level(_cells(df)).lo)  # one cold start: nothing to generalise over
 
 
-def test_without_block_x_arm_variance_the_contrast_pools_within_blocks():
-    # Identical arm effect in every block (s2_v on the boundary): the random-intercept model, whose balanced
-    # contrast is the within-block pooled two-sample test on N - m - 1 degrees of freedom.
-    rng = np.random.default_rng(5)
-    df = pd.DataFrame([{"e": rng.normal(0, 0.05), "arm": arm, "block": b}
-                       for b in range(3) for arm in "AB" for _ in range(10)])
-    # cell means exactly 0.5 + 0.2 b + 0.05 [arm A]: the per-block differences are all 0.05
-    df["y"] = (0.5 + 0.2 * df["block"] + 0.05 * (df["arm"] == "A") + df["e"]
-               - df.groupby(["block", "arm"])["e"].transform("mean"))
-    d = _block_diffs(df)
-    assert np.allclose(d, 0.05)
-    fit = mixed_contrast(df["y"], df["arm"] == "A", df["block"])
-    resid = df["y"] - df.groupby(["block", "arm"])["y"].transform("mean")
-    ss_e = float((resid ** 2).sum())
-    ss_i = 10 / 2 * float(((d - d.mean()) ** 2).sum())  # block x arm sum of squares, 2 arms of n = 10
-    s2 = (ss_e + ss_i) / (60 - 3 - 1)
-    assert fit["s2_v"] == 0.0
-    assert fit["se"] == pytest.approx(np.sqrt(2 * s2 / 30), rel=1e-6)
-    assert fit["df"] == pytest.approx(60 - 3 - 1, rel=1e-6)
+def test_a_cold_start_x_arm_shift_widens_the_cold_start_interval_only():
+    # Shifting one arm by a constant within each cold start (a checkpoint-specific effect) moves the per-cold-
+    # start differences apart: the cold-start-level interval widens, the conditional one keeps its width exactly
+    # (it conditions on these cold starts), and both share one point estimate.
+    df = _blocked(5, sd_v=0.0)
+    shift = np.where(df["arm"] == "A", df["block"].map({0: 0.2, 1: -0.2, 2: 0.1, 3: -0.1}), 0.0)
+    before, after = _cells(df), _cells(df.assign(y=df["y"] + shift))
+    assert conditional(after).se == pytest.approx(conditional(before).se, rel=1e-12)
+    assert cold_start_level(after).se > 3 * cold_start_level(before).se
+    assert conditional(after).diff == pytest.approx(cold_start_level(after).diff, abs=1e-15)
 
 
 def test_holm_is_statsmodels():

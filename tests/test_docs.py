@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lab.cli import _config_table
+from moe_lab.commands.config_table import config_table as _config_table
 from moe_lab.launch.experiment import expand
 from moe_lab.algos.losses import policy_loss
 from moe_lab.yaml_io import load_yaml
@@ -100,16 +100,16 @@ def test_config_table_is_the_generated_one():
     assert _config_table() in doc, "regenerate it: moe-lab config, and paste it into docs/config.md"
 
 
-def test_every_builtin_experiment_has_a_readme_row_with_its_run_count():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_every_builtin_experiment_has_a_row_with_its_run_count():
+    readme = (ROOT / "docs" / "experiments.md").read_text(encoding="utf-8")
     for path in sorted((ROOT / "experiments").glob("*.yaml")):
         exp = load_yaml(str(path))
         row = re.search(rf"^\| `{re.escape(exp['name'])}` \|.*$", readme, re.M)
-        assert row, f"README.md: no row for experiments/{path.name} in the table of built-in experiments"
+        assert row, f"docs/experiments.md: no row for experiments/{path.name} in the table of built-in experiments"
         runs = row.group(0).split("|")[3]
         stated = re.search(r"= (\d+)\s*$", runs)
         assert stated and int(stated.group(1)) == len(expand(exp)), \
-            f"README.md: {exp['name']} runs {len(expand(exp))} cells, the table says {runs.strip()!r}"
+            f"docs/experiments.md: {exp['name']} runs {len(expand(exp))} cells, the table says {runs.strip()!r}"
 
 
 def test_every_policy_metric_is_in_the_metric_table():

@@ -283,26 +283,6 @@ def test_registry_config_and_paper_defaults_agree():
         validate(from_dict({"rl": {"algo": algo}}))
 
 
-def test_each_objective_knob_is_the_config_field_of_its_name():
-    """An objective declares its own fields once (objectives.OBJECTIVES); the config exposes each as
-    rl.<algo>_<field> with the same default, bounds and help, and the step passes exactly those."""
-    import dataclasses
-
-    from moe_lab.algos.objectives import knob_names
-
-    rl_fields = {f.name: f for f in dataclasses.fields(RLConfig)}
-    declared = []
-    for algo, objective in OBJECTIVES.items():
-        for f, name in zip(dataclasses.fields(objective.params), knob_names(algo)):
-            declared.append(name)
-            assert name in rl_fields, f"rl.{name}: declared by {algo}, missing from RLConfig"
-            meta = rl_fields[name].metadata
-            assert rl_fields[name].default == f.default and meta["help"] == f.metadata["help"]
-            assert all(meta[k] == f.metadata[k] for k in ("gt", "ge", "le", "lt")), name
-    assert list(dict.fromkeys(declared)) == ["sapo_tau_pos", "sapo_tau_neg", "rspo_floor", "dppo_ratio_cap",
-                                             "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"]
-
-
 def test_policy_loss_refuses_an_unknown_knob():
     new, old, adv, mask, _, _ = make_batch(2, 3, seed=1)
     with pytest.raises(TypeError, match="sapo_tau"):

@@ -128,7 +128,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
 
 
 def test_compare_notes_an_interim_folder_and_says_nothing_of_a_finished_one(results, tmp_path):
-    from moe_lab.cli import _interim_note
+    from moe_lab.commands.compare import interim_note as _interim_note
 
     assert _interim_note(results) == (
         f"moe-lab: note: interim: 2 of 8 runs of tiny_blocks finished; an analysis fixed before the runs is the "

@@ -1,22 +1,20 @@
-"""Each objective's own parameters, declared once: a frozen dataclass of ``knob`` fields (default, bounds,
-help) per objective that has knobs. ``moe_lab.algos.objectives`` binds each to its objective's registry entry
-(which receives it as one object); ``policy_loss`` takes the fields as ``<prefix>_<field>`` keyword arguments
-and the run config exposes them as ``rl.<prefix>_<field>`` (tests/test_objectives.py keeps the two equal).
-Pure data: no torch.
+"""The objective registry's entries (``Objective``: a function bound to its row of moe_lab/objective_specs.py,
+``ObjectiveRegistry``: one function per row) and each objective's parameter object: a frozen dataclass built
+from the one declaration of its knobs (the ``knobs`` of its row: default, bounds, help).
+``moe_lab.algos.objectives`` hands it to the objective's function as one object; ``policy_loss`` takes its
+fields as ``<prefix>_<name>`` keyword arguments and the run config exposes them as ``rl.<prefix>_<name>``
+(both from the same declaration). No torch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Callable
 
-
-def knob(default: float, help: str, *, gt: float | None = None, ge: float | None = None, le: float | None = None,
-         lt: float | None = None) -> Any:
-    """A field of an objective's parameters: its default, its help text and its bounds (a finite float)."""
-    return field(default=default, metadata={"help": help, "gt": gt, "ge": ge, "le": le, "lt": lt})
+from moe_lab.objective_specs import OBJECTIVE_SPECS, Knobs, ObjectiveSpec
 
 
 @dataclass(frozen=True)
@@ -24,46 +22,84 @@ class NoParams:
     """The parameters of an objective without knobs of its own."""
 
 
-@dataclass(frozen=True)
-class SapoParams:
-    # SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
-    tau_pos: float = knob(1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0)
-    tau_neg: float = knob(1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)", gt=0.0)
+@functools.cache
+def params_class(knobs: Knobs | None) -> type:
+    """The frozen dataclass of one ``Knobs`` declaration (one class per declaration: dppo_tv and dppo_kl share it);
+    each field's metadata holds its help and bounds (``check_knob``)."""
+    if knobs is None:
+        return NoParams
+    fields = [(k.name, float, field(default=k.default, metadata={"help": k.help, **k.bounds()})) for k in knobs.knobs]
+    cls = make_dataclass(f"{knobs.prefix.capitalize()}Params", fields, frozen=True)
+    cls.__module__ = __name__
+    return cls
 
 
-@dataclass(frozen=True)
-class RspoParams:
-    # RSPO (arXiv:2510.23027) floors gamma so a token whose old experts moved is down-weighted, never
-    # dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
-    # our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
-    floor: float = knob(0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma but gives "
-                             "no value we could read; 0.5 is ours)", gt=0.0, le=1.0)
-
-
-@dataclass(frozen=True)
-class DppoParams:
-    # DPPO truncates the (detached) ratio at this cap (verl's clip_ratio_c). The authors' run script sets 10000
-    # ("disable dual-clip PPO and TIS for a fair comparison"); verl's code cites the paper's section 5.4 for
-    # a large cap (truncation biases the gradient). The value, like CISPO's, is built on logp_new itself.
-    ratio_cap: float = knob(10000.0, "DPPO (dppo_tv, dppo_kl) truncation of the detached ratio (verl's "
-                                     "clip_ratio_c; the authors' 10000 = practically off); their clip_low/high "
-                                     "are divergence thresholds", ge=1.0)
-
-
-@dataclass(frozen=True)
-class VespoParams:
-    # VESPO's kernel shape: TRL's GRPOConfig defaults (vespo_k_pos ...). k = 0 is allowed (no suppression of
-    # small W); lambda = 0 would make phi grow without bound.
-    k_pos: float = knob(2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0)
-    lambda_pos: float = knob(3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0)
-    k_neg: float = knob(3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0)
-    lambda_neg: float = knob(2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)
-
-
+# The classes of the objectives with knobs, by name (type annotations, pickling by reference).
+SapoParams, RspoParams, DppoParams, VespoParams = (params_class(OBJECTIVE_SPECS[a].knobs)
+                                                   for a in ("sapo", "rspo", "dppo_tv", "vespo"))
 SAPO_TAU_POS_DEFAULT, SAPO_TAU_NEG_DEFAULT = SapoParams.tau_pos, SapoParams.tau_neg
 RSPO_FLOOR_DEFAULT = RspoParams.floor
 DPPO_RATIO_CAP_DEFAULT = DppoParams.ratio_cap
 VESPO_SHAPE_DEFAULT = (VespoParams.k_pos, VespoParams.lambda_pos, VespoParams.k_neg, VespoParams.lambda_neg)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A registered objective: its function, its spec row (traits and knobs) and its own metrics' reductions."""
+
+    fn: Callable[..., Any]  # (inputs, params) -> terms
+    spec: ObjectiveSpec
+    reductions: dict[str, str] = field(default_factory=dict)  # its own metrics across ranks (algos/reductions.py)
+
+    @property
+    def params(self) -> type:
+        """The frozen dataclass of its knobs (NoParams without any), received as one object."""
+        return params_class(self.spec.knobs)
+
+    @property
+    def knob_prefix(self) -> str | None:
+        return None if self.spec.knobs is None else self.spec.knobs.prefix
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.spec.sequence_level
+
+    @property
+    def clip_low_max(self) -> float:
+        """Exclusive upper bound on clip_low."""
+        return math.inf if self.spec.clip_low_unbounded else 1.0
+
+    @property
+    def dual_clip(self) -> bool:
+        """Accepts dual_clip_c (the PPO-clip family only)."""
+        return self.spec.ppo_clip
+
+
+class ObjectiveRegistry:
+    """Objective functions registered against spec rows: exactly one per row (``complete`` checks)."""
+
+    def __init__(self, specs: dict[str, ObjectiveSpec]):
+        self.specs = specs
+        self.entries: dict[str, Objective] = {}
+
+    def register(self, name: str, *, reductions: dict[str, str] | None = None):
+        """Decorator: the function of the spec row ``name``; reductions: how its own metrics combine across ranks."""
+        if name not in self.specs:
+            raise ValueError(f"objective {name!r}: no row in the spec table (moe_lab/objective_specs.py)")
+        if name in self.entries:
+            raise ValueError(f"objective {name!r}: registered twice")
+
+        def add(fn: Callable[..., Any]):
+            self.entries[name] = Objective(fn, self.specs[name], dict(reductions or {}))
+            return fn
+        return add
+
+    def complete(self) -> dict[str, Objective]:
+        """name -> Objective in the spec table's order; a row without a function is an error."""
+        missing = [name for name in self.specs if name not in self.entries]
+        if missing:
+            raise ValueError(f"objective spec rows without a registered function: {', '.join(missing)}")
+        return {name: self.entries[name] for name in self.specs}
 
 
 def check_knob(name: str, value, meta: dict) -> float:

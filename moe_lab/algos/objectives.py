@@ -4,13 +4,13 @@ advantages and mask to per-token loss terms (to MINIMISE) plus the objective's o
 ``losses.policy_loss`` does everything the objectives share, in one place: input checks, masking
 (every masked position is 0 before any arithmetic), the +-20 log-ratio clamp, rollout-correction
 weights, aggregation (``aggregate_loss``) and the shared metrics (``ratio_metrics.policy_metrics``).
-Adding an objective = one function here + one entry in ``OBJECTIVES`` (+ its name in
-``constants.ALGOS`` and a default in ``constants.PAPER_CLIP``). An objective with knobs of its own declares
-them as a frozen dataclass of ``knob`` fields (default, bounds, help) and receives them as one object,
-``fn(inputs, params)``; ``policy_loss`` takes each as the keyword argument ``<prefix>_<field>`` (prefix: the
-entry's ``knob_prefix``, else its name; e.g. ``sapo_tau_pos``, ``dppo_ratio_cap``), checked against the
-declaration, and the run's config field of the same name (``rl.sapo_tau_pos``) feeds it
-(tests/test_objectives.py checks that the two declarations agree).
+Adding an objective = one function here, registered with ``@register("<name>")``, + one row in
+``moe_lab/objective_specs.py`` (its paper clip, traits and knobs; constants.ALGOS, PAPER_CLIP, the trait
+tuples and the config fields follow from it; docs/extending.md). A row without a function, or a function
+without a row, fails at import. An objective with knobs receives them as one object, ``fn(inputs, params)``
+(a frozen dataclass built from the row's ``Knobs``: ``objective_params.params_class``); ``policy_loss`` takes
+each as the keyword argument ``<prefix>_<name>`` (e.g. ``sapo_tau_pos``, ``dppo_ratio_cap``), checked against
+the declaration, and the run's config field of the same name (``rl.sapo_tau_pos``) feeds it.
 
 | algo | per-token loss term L[i,t] (A = advantage, d = clamped log-ratio, w = exp(d)) | default clip | paper |
 |---|---|---|---|
@@ -42,14 +42,16 @@ import torch
 
 from moe_lab.algos.objective_params import (  # noqa: F401 - the defaults are re-exported
     DPPO_RATIO_CAP_DEFAULT, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT, VESPO_SHAPE_DEFAULT,
-    DppoParams, NoParams, RspoParams, SapoParams, VespoParams, check_knob)
+    DppoParams, NoParams, Objective, ObjectiveRegistry, RspoParams, SapoParams, VespoParams, check_knob)
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 from moe_lab.algos.reductions import SEQ_MEAN, TOKEN_MEAN
 from moe_lab.constants import PAPER_CLIP
+from moe_lab.objective_specs import OBJECTIVE_SPECS
 
-__all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "OBJECTIVES", "SapoParams", "RspoParams", "DppoParams",
-           "VespoParams", "knob_names", "make_params", "RSPO_FLOOR_DEFAULT", "SAPO_TAU_POS_DEFAULT",
-           "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT", "VESPO_SHAPE_DEFAULT"]
+__all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "ObjectiveRegistry", "OBJECTIVES", "register",
+           "SapoParams", "RspoParams", "DppoParams", "VespoParams", "knob_names", "make_params",
+           "RSPO_FLOOR_DEFAULT", "SAPO_TAU_POS_DEFAULT", "SAPO_TAU_NEG_DEFAULT", "DPPO_RATIO_CAP_DEFAULT",
+           "VESPO_SHAPE_DEFAULT"]
 
 
 _GRPO_METRIC_RANGE = PAPER_CLIP["grpo"]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
@@ -83,15 +85,8 @@ class ObjectiveTerms:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Objective:
-    fn: Callable[[ObjectiveInputs, Any], ObjectiveTerms]  # (inputs, params) -> terms
-    params: type = NoParams  # a frozen dataclass of knob fields: the objective's own parameters
-    knob_prefix: str | None = None  # its knobs are <prefix>_<field> (default: the algo's name)
-    sequence_level: bool = False  # one ratio per sequence built as a geometric mean (fold IS weights so)
-    clip_low_max: float = 1.0  # exclusive upper bound on clip_low (cispo: any, ratios are >= 0)
-    dual_clip: bool = False  # accepts dual_clip_c (the PPO-clip family only)
-    reductions: dict[str, str] = field(default_factory=dict)  # its own metrics across ranks (algos/reductions.py)
+_REGISTRY = ObjectiveRegistry(OBJECTIVE_SPECS)
+register = _REGISTRY.register
 
 
 # ---------------------------------------------------------------- the PPO-clip family
@@ -136,23 +131,27 @@ def _ppo_clip(x: ObjectiveInputs, log_ratio_BT: torch.Tensor, seq_clamped_B: tor
                           (x.clip_low, x.clip_high))
 
 
+@register("grpo")
 def grpo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """PPO clip on the token ratio w = exp(d)."""
     return _ppo_clip(x, x.d_BT, _none_B(x.d_BT))
 
 
+@register("gspo")
 def gspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """PPO clip on GSPO's length-normalised sequence ratio s_i, broadcast over the response."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
     return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
 
 
+@register("gspo_unnormalized")
 def gspo_unnormalized(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """Ablation: the sequence likelihood ratio exp(sum_t d) without GSPO's 1/|y_i|."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=False)
     return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
 
 
+@register("gspo_token")
 def gspo_token(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """GSPO-token: log s_it = sg[log s_i] + logp_it - sg[logp_it] (value s_i, gradient of token t's logp)."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
@@ -163,6 +162,7 @@ def gspo_token(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
 # ---------------------------------------------------------------- SAPO
 
 
+@register("sapo", reductions={"objective/sapo_gate_mean": TOKEN_MEAN})
 def sapo(x: ObjectiveInputs, p: SapoParams) -> ObjectiveTerms:
     """SAPO (arXiv:2511.20347): a soft gate instead of the hard clip.
 
@@ -186,6 +186,7 @@ def sapo(x: ObjectiveInputs, p: SapoParams) -> ObjectiveTerms:
 # ---------------------------------------------------------------- CISPO
 
 
+@register("cispo", reductions={"objective/cispo_weight_mean": TOKEN_MEAN})
 def cispo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """CISPO (MiniMax-M1, arXiv:2506.13585): L = -sg(clip(w, 1 - lo, 1 + hi)) A logp_new.
 
@@ -228,6 +229,7 @@ def _geometric_mean_terms(x: ObjectiveInputs, log_ratio_BT: torch.Tensor) -> Obj
                           _none_B(x.d_BT), (lo, hi), {"objective/seq_ratio_mean": ratio_B.detach().mean()})
 
 
+@register("gmpo", reductions={"objective/seq_ratio_mean": SEQ_MEAN})
 def gmpo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """GMPO (arXiv:2507.20673): geometric mean of token ratios clipped in log space, default +-0.4.
 
@@ -237,6 +239,8 @@ def gmpo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     return _geometric_mean_terms(x, x.d_BT)
 
 
+@register("rspo", reductions={"objective/seq_ratio_mean": SEQ_MEAN, "objective/rspo_gamma_mean": TOKEN_MEAN,
+                              "objective/rspo_floor_frac": TOKEN_MEAN})
 def rspo(x: ObjectiveInputs, p: RspoParams) -> ObjectiveTerms:
     """RSPO (arXiv:2510.23027): GMPO with each token's ratio scaled by sg(max(gamma_t, floor)) BEFORE
     the token clip and the geometric mean; gamma_t = exp(-mean over layers and old top-k experts of
@@ -276,6 +280,7 @@ def _dppo_terms(x: ObjectiveInputs, p: DppoParams, keep_grad_BT: torch.Tensor,
                            "objective/dppo_truncated_frac": masked_mean(truncated_BT.to(x.d_BT.dtype), x.keep_BT)})
 
 
+@register("dppo_tv", reductions=_DPPO_REDUCTIONS)
 def dppo_tv(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
     """DPPO-Binary-TV (arXiv:2602.04879): PPO's ratio mask replaced by one on the sampled token's
     probability change p_new - p_old (the binary total-variation estimate): a token with A > 0 keeps its
@@ -290,6 +295,7 @@ def dppo_tv(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
     return _dppo_terms(x, p, keep_grad_BT, change_BT.abs())
 
 
+@register("dppo_kl", reductions=_DPPO_REDUCTIONS)
 def dppo_kl(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
     """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL(Bern(p_old) || Bern(p_new))
     = p_old log(p_old / p_new) + (1 - p_old) log((1 - p_old) / (1 - p_new)) as the divergence; the mask
@@ -309,6 +315,7 @@ def dppo_kl(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
 # ---------------------------------------------------------------- LUSPO and VESPO
 
 
+@register("luspo")
 def luspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """LUSPO (arXiv:2602.05261): GSPO's clipped sequence term scaled by the response length |y_i|, undoing
     the length bias of GSPO's 1/|y_i| mean (its gradient per token no longer shrinks with length).
@@ -322,6 +329,7 @@ def luspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     return terms
 
 
+@register("vespo", reductions={"objective/vespo_phi_mean": SEQ_MEAN})
 def vespo(x: ObjectiveInputs, p: VespoParams) -> ObjectiveTerms:
     """VESPO (arXiv:2602.10693): a smooth kernel on the UNnormalised sequence ratio W_i = exp(sum_t d):
     phi(W) = W^k exp(lam (1 - W)) (phi(1) = 1, peak at W = k / lam), L = -sg(phi(W_i)) A logp_new;
@@ -348,29 +356,13 @@ def vespo(x: ObjectiveInputs, p: VespoParams) -> ObjectiveTerms:
                           (x.clip_low, x.clip_high), {"objective/vespo_phi_mean": phi_B.mean()})
 
 
-OBJECTIVES: dict[str, Objective] = {
-    "grpo": Objective(grpo, dual_clip=True),
-    "gspo": Objective(gspo, dual_clip=True),
-    "gspo_token": Objective(gspo_token, dual_clip=True),
-    "gspo_unnormalized": Objective(gspo_unnormalized, dual_clip=True),
-    "sapo": Objective(sapo, SapoParams, reductions={"objective/sapo_gate_mean": TOKEN_MEAN}),
-    "cispo": Objective(cispo, clip_low_max=math.inf, reductions={"objective/cispo_weight_mean": TOKEN_MEAN}),
-    "gmpo": Objective(gmpo, sequence_level=True, clip_low_max=math.inf,
-                      reductions={"objective/seq_ratio_mean": SEQ_MEAN}),
-    "rspo": Objective(rspo, RspoParams, sequence_level=True, clip_low_max=math.inf,
-                      reductions={"objective/seq_ratio_mean": SEQ_MEAN, "objective/rspo_gamma_mean": TOKEN_MEAN,
-                                  "objective/rspo_floor_frac": TOKEN_MEAN}),
-    "dppo_tv": Objective(dppo_tv, DppoParams, "dppo", clip_low_max=math.inf, reductions=_DPPO_REDUCTIONS),
-    "dppo_kl": Objective(dppo_kl, DppoParams, "dppo", clip_low_max=math.inf, reductions=_DPPO_REDUCTIONS),
-    "luspo": Objective(luspo),
-    "vespo": Objective(vespo, VespoParams, reductions={"objective/vespo_phi_mean": SEQ_MEAN}),
-}
+OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()
 
 
 def knob_names(algo: str) -> list[str]:
     """The keyword arguments of policy_loss (and rl.* config fields) of ``algo``'s own parameters."""
-    objective = OBJECTIVES[algo]
-    return [f"{objective.knob_prefix or algo}_{f.name}" for f in dataclasses.fields(objective.params)]
+    knobs = OBJECTIVES[algo].spec.knobs
+    return [] if knobs is None else list(knobs.fields())
 
 
 def make_params(algo: str, knobs: dict[str, Any]):

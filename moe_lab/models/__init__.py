@@ -134,6 +134,14 @@ def moe_layers(model: nn.Module) -> list[MoeLayer]:
     return sorted(found, key=lambda layer: layer.layer_idx)
 
 
+def correction_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every MoE layer's expert correction bias by its state-dict name ({} for a family without one): model state
+    outside the gradient, which the rollout copy and the lag snapshots carry with the weights."""
+    mine = {id(layer.family.bias(layer.router)) for layer in moe_layers(model) if layer.family.bias is not None}
+    named = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return {name: t for name, t in named.items() if id(t) in mine}
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when one is visible, else cpu; 'cuda' without one is refused before any work."""
     if name == "auto":
@@ -153,5 +161,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_family", "load_model", "moe_layers",
+__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_family", "correction_biases", "load_model", "moe_layers",
            "position_ids_from_mask", "resolve_device"]

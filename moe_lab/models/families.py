@@ -39,7 +39,7 @@ from moe_lab.models.families_2026 import NEW_FAMILIES, REFUSED
 from moe_lab.models.rules import (FamilySpec, deepseek_gate_weights, deepseek_groups, deepseek_select,  # noqa: F401
                                   gpt_oss_gate_weights, gpt_oss_select, mixtral_gate_weights, mixtral_select,
                                   norm_topk, qwen_gate_weights, qwen_select, shared_width, sigmoid_router_logp,
-                                  softmax_router_logp)
+                                  router_bias, softmax_router_logp)
 
 _deepseek_groups = deepseek_groups  # the name tests/test_models.py imports
 
@@ -109,7 +109,8 @@ FAMILIES: dict[str, FamilySpec] = {
     "mixtral": FamilySpec("mixtral", MixtralConfig, MixtralForCausalLM, MixtralTopKRouter, _mixtral,
                           mixtral_select, mixtral_gate_weights),
     "deepseek_v3": FamilySpec("deepseek_v3", DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3TopkRouter,
-                              _deepseek, deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp),
+                              _deepseek, deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp,
+                              bias=router_bias),
     "gpt_oss": FamilySpec("gpt_oss", GptOssConfig, GptOssForCausalLM, GptOssTopKRouter, _gpt_oss,
                           gpt_oss_select, gpt_oss_gate_weights, attn_impl="eager"),
     **NEW_FAMILIES,  # the families RL runs on since (moe_lab/models/families_2026.py)

@@ -30,7 +30,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCa
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
 from moe_lab.config import ModelConfig
-from moe_lab.models.rules import (FamilySpec, bind_block, bind_input_dtype, deepseek_gate_weights, deepseek_groups,
+from moe_lab.models.rules import (FamilySpec, bind_block, bind_input_dtype, block_bias, router_bias, statics_bias, deepseek_gate_weights, deepseek_groups,
                                   deepseek_select, ernie_gate_weights, ernie_select, minimax_gate_weights,
                                   minimax_select, norm_topk, qwen_gate_weights, qwen_select, renorm_gate_weights,
                                   renorm_select, shared_width, sigmoid_router_logp)
@@ -104,19 +104,24 @@ def _ernie4_5_moe(cfg: ModelConfig, kw: dict) -> PretrainedConfig:
 
 NEW_FAMILIES: dict[str, FamilySpec] = {
     "glm4_moe": FamilySpec("glm4_moe", Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeTopkRouter, _glm4_moe,
-                           deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp),
+                           deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp,
+                           bias=router_bias),
     "qwen3_5_moe": FamilySpec("qwen3_5_moe", Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTopKRouter,
                               _qwen3_5_moe, renorm_select, renorm_gate_weights),
     "qwen3_next": FamilySpec("qwen3_next", Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3NextTopKRouter, _qwen3_next,
                              qwen_select, qwen_gate_weights),
     "minimax_m2": FamilySpec("minimax_m2", MiniMaxM2Config, MiniMaxM2ForCausalLM, MiniMaxM2TopKRouter, _minimax_m2,
-                             minimax_select, minimax_gate_weights, router_logp=sigmoid_router_logp, bind=bind_block),
+                             minimax_select, minimax_gate_weights, router_logp=sigmoid_router_logp, bind=bind_block,
+                             bias=block_bias),
     "dots1": FamilySpec("dots1", Dots1Config, Dots1ForCausalLM, Dots1TopkRouter, _dots1,
-                        deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp),
+                        deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp,
+                        bias=router_bias),
     "deepseek_v32": FamilySpec("deepseek_v32", DeepseekV32Config, DeepseekV32ForCausalLM, DeepseekV32TopkRouter,
-                               _deepseek_v32, deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp),
+                               _deepseek_v32, deepseek_select, deepseek_gate_weights, router_logp=sigmoid_router_logp,
+                               bias=router_bias),
     "ernie4_5_moe": FamilySpec("ernie4_5_moe", Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, Ernie4_5_MoeTopKRouter,
-                               _ernie4_5_moe, ernie_select, ernie_gate_weights, bind=bind_input_dtype),
+                               _ernie4_5_moe, ernie_select, ernie_gate_weights, bind=bind_input_dtype,
+                               bias=statics_bias),
 }
 
 REFUSED: dict[str, str] = {

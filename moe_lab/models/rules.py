@@ -41,6 +41,9 @@ class FamilySpec:
     # (moe block, its router) -> None: links a router to state its block keeps (MiniMax-M2's correction bias);
     # moe_layers() runs it, so every record/replay session finds the link made
     bind: Callable[[nn.Module, nn.Module], None] | None = None
+    # router -> its choice-only correction bias (the tensor itself, updated in place by moe_lab/rl/expert_bias.py);
+    # None: the family's router has none (constants.BIAS_FAMILIES names the others)
+    bias: Callable[[nn.Module], Tensor] | None = None
 
     @property
     def model_type(self) -> str:
@@ -150,6 +153,19 @@ def _block_bias(router: nn.Module) -> Tensor:
         raise RuntimeError(f"{type(router).__name__}: its correction bias lives on the MoE block; call "
                            "moe_lab.models.moe_layers(model) (record/replay do) before select()")
     return link[0].e_score_correction_bias
+
+
+def router_bias(router: nn.Module) -> Tensor:
+    return router.e_score_correction_bias
+
+
+def block_bias(router: nn.Module) -> Tensor:
+    return _block_bias(router)
+
+
+def statics_bias(router: nn.Module) -> Tensor:
+    # ERNIE-4.5 keeps it as a (1, E) Parameter without gradient on router.moe_statics
+    return router.moe_statics.e_score_correction_bias
 
 
 def minimax_select(router: nn.Module, logits_NE: Tensor) -> tuple[Tensor, Tensor]:

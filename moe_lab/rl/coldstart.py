@@ -16,6 +16,7 @@ writers that died (same host, process gone) are removed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -38,7 +39,9 @@ from tqdm.auto import tqdm
 from moe_lab.config import RunConfig, validate
 from moe_lab.models import build_model, load_model, resolve_device
 from moe_lab.constants import MACHINE_ENV
+from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.rollout import accuracy, forward_logits, token_logprobs
+from moe_lab.routing import record
 from moe_lab.tasks import Task, encode_response, get_task, task_tokenizer
 
 # Bump when the training recipe changes in a way the config cannot see: old cache entries then go stale.
@@ -48,7 +51,7 @@ META_FILE = "coldstart.json"
 
 # Fields added after caches existed: hashed only when set away from their default, so that every config
 # that does not use them keeps the key (and the cached model) it had before they existed.
-_HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0}, "model": {"shared_expert": True, "norm_topk_prob": None},
+_HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0, "bias_update_rate": 0.0}, "model": {"shared_expert": True, "norm_topk_prob": None},
                   "task": {"mixture": []}}
 
 
@@ -111,12 +114,19 @@ def sft_loss(model, ids_BS: torch.Tensor, mask_BS: torch.Tensor, resp_BT: torch.
 
 
 def sft_step(model, optimizer: torch.optim.Optimizer, task: Task, prompts: list[str],
-             aux_loss_coef: float = 0.0) -> float:
-    """One AdamW step on the demonstrations of `prompts`; returns the loss before the step."""
-    loss = sft_loss(model, *(t.to(model.device) for t in demonstration_batch(task, prompts)), aux_loss_coef)
+             aux_loss_coef: float = 0.0, bias: ExpertBias | None = None) -> float:
+    """One AdamW step on the demonstrations of `prompts`; returns the loss before the step. ``bias``
+    (coldstart.bias_update_rate): the expert biases then step too, from this forward's loads over its real
+    tokens (recording the routing changes no bit of the forward)."""
+    batch = tuple(t.to(model.device) for t in demonstration_batch(task, prompts))
+    with record(model, weights=False) if bias else contextlib.nullcontext() as trace:
+        loss = sft_loss(model, *batch, aux_loss_coef)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+    if bias is not None:
+        bias.count(trace.indices, batch[1][:, :-1])
+        bias.update()
     return loss.item()
 
 
@@ -137,6 +147,7 @@ def warm_up(model, task: Task, cfg: RunConfig, *, progress: bool = False) -> dic
     cs = cfg.coldstart
     rng = np.random.default_rng(cfg.model.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cs.lr)
+    bias = ExpertBias(model, cs.bias_update_rate) if cs.bias_update_rate else None
     bar = tqdm(total=cs.max_steps, desc="cold start", leave=False, disable=not (progress and sys.stderr.isatty()))
     history, step, loss, t0 = [], 0, None, time.perf_counter()
     while True:
@@ -146,7 +157,7 @@ def warm_up(model, task: Task, cfg: RunConfig, *, progress: bool = False) -> dic
             bar.set_postfix(loss=loss, acc=acc)
             if acc >= cs.target_accuracy or step == cs.max_steps:
                 break
-        loss = sft_step(model, optimizer, task, task.sample_prompts(cs.batch_size, rng), cs.aux_loss_coef)
+        loss = sft_step(model, optimizer, task, task.sample_prompts(cs.batch_size, rng), cs.aux_loss_coef, bias)
         step += 1
         bar.update()
     bar.close()

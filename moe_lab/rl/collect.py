@@ -23,7 +23,7 @@ from moe_lab.config import RunConfig
 from moe_lab.rl import seeds
 from moe_lab.rl.groups import group_generators, join_batches
 from moe_lab.rl.rollout import GroupSampler, RolloutBatch, forward_logits, generate, token_logprobs
-from moe_lab.routing import Trace, record, replay, routing_confidence, routing_metrics, specialization
+from moe_lab.routing import Trace, record, replay, router_mismatch, routing_confidence, specialization
 
 # across ranks (moe_lab/algos/reductions.py), the metrics made here: rewards and lengths per sequence (a
 # sub-task's mean reward too, weighted by the part's sequences: exact when the parts hold equal shares of it)
@@ -31,6 +31,8 @@ REDUCTIONS = {
     "reward/mean": R.SEQ_MEAN, "reward/std": R.std_of("reward/mean", R.SEQ_MEAN), "reward/zero_var_groups": R.SEQ_MEAN,
     "reward/mean_*": R.SEQ_MEAN, "response/length_mean": R.SEQ_MEAN, "response/length_max": R.MAX,
     "mismatch/k3": R.TOKEN_MEAN, "mismatch/extreme_frac": R.TOKEN_MEAN, "mismatch/expert_change": R.TOKEN_MEAN,
+    "mismatch/router_change": R.TOKEN_MEAN, "mismatch/any_change": R.TOKEN_MEAN,
+    "mismatch/routers_per_token": R.TOKEN_MEAN, "mismatch/layer_*/router_change": R.TOKEN_MEAN,
     "kl/ref_reward_penalty": R.SEQ_MEAN, "perf/rollout_s": R.SLOWEST, "perf/old_s": R.SLOWEST,
 }
 
@@ -92,11 +94,12 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
 
 
 def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, free_trace) -> dict[str, float]:
-    """Rollout-vs-train mismatch: the sampler's log-probs and routing against the trainer's."""
+    """Rollout-vs-train mismatch, the R3 paper's table: the sampler's log-probs and routing against the trainer's
+    (k3, extreme tokens; activated experts, routers and tokens whose top-k differs, per layer too)."""
     mask = batch.response_mask_BT
     out = rollout_mismatch(batch.logp_rollout_BT, logp_old_BT, mask)
     if batch.trace is not None and free_trace is not None:
-        out["mismatch/expert_change"] = routing_metrics(batch.trace, free_trace, mask, prefix="")["expert_change"]
+        out.update({f"mismatch/{key}": value for key, value in router_mismatch(batch.trace, free_trace, mask).items()})
     return out
 
 

@@ -61,11 +61,12 @@ def reductions() -> dict[str, object]:
     """Every metric's reduction across ranks, as declared by the module that makes it (algos/reductions.py)."""
     from moe_lab.algos import ratio_metrics, rollout_correction
     from moe_lab.algos.objectives import OBJECTIVES
-    from moe_lab.rl import collect, step
+    from moe_lab.rl import collect, expert_bias, step
     from moe_lab.routing import metrics, predictor
 
     table = {**ratio_metrics.REDUCTIONS, **ratio_metrics.DECOMP_REDUCTIONS, **rollout_correction.REDUCTIONS,
-             **metrics.REDUCTIONS, **predictor.REDUCTIONS, **collect.REDUCTIONS, **step.REDUCTIONS}
+             **metrics.REDUCTIONS, **predictor.REDUCTIONS, **collect.REDUCTIONS, **step.REDUCTIONS,
+             **expert_bias.REDUCTIONS}
     for objective in OBJECTIVES.values():
         table.update(objective.reductions)
     return table

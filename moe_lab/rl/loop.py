@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
-from moe_lab.models import load_model, resolve_device
+from moe_lab.models import correction_biases, load_model, resolve_device
+from moe_lab.models.numerics import RolloutNumerics
 from moe_lab.rl import checkpoint, health, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
+from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
 from moe_lab.rl.run_folder import RunFolder, first_segments
@@ -66,14 +68,22 @@ def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
     return task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
 
 
+def _model_state(model) -> dict[str, torch.Tensor]:
+    """What the rollout copy samples with: the weights and the expert correction biases (state outside the
+    gradient, moved by rl.bias_update_rate), by name."""
+    return {**dict(model.named_parameters()), **correction_biases(model)}
+
+
 def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
-    """The rollout copy takes the weights it samples with, cast to the rollout dtype (bf16 mismatch knob):
-    the oldest snapshot of the lag queue (rl.rollout_lag), or the trained weights when the queue is empty."""
+    """The rollout copy takes the weights (and expert biases) it samples with, cast to the rollout dtype (bf16
+    mismatch knob): the oldest snapshot of the lag queue (rl.rollout_lag), or the trained ones when it is empty.
+    A snapshot saved before biases were snapshotted lacks them: its run never moved them (the current ones)."""
     if rollout_policy is policy:
         return
-    source = lagged[0] if lagged else dict(policy.named_parameters())
+    current = _model_state(policy)
+    source = {**current, **lagged[0]} if lagged else current
     with torch.no_grad():
-        for name, dst in rollout_policy.named_parameters():
+        for name, dst in _model_state(rollout_policy).items():
             dst.copy_(source[name])
         current = predictor.heads(policy)  # PR² heads are buffers refitted each step: the sampler routes by them
         for name, dst in predictor.heads(rollout_policy).items():
@@ -81,8 +91,9 @@ def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
 
 
 def _snapshot(policy) -> dict[str, torch.Tensor]:
-    """fp32 copy of the weights at the start of a step: what a rollout worker k steps behind would hold."""
-    return {name: p.detach().clone() for name, p in policy.named_parameters()}
+    """fp32 copy of the weights (and expert biases) at the start of a step: what a rollout worker k steps behind
+    would hold."""
+    return {name: p.detach().clone() for name, p in _model_state(policy).items()}
 
 
 def _push_snapshot(lagged: collections.deque, snapshot: dict | None, lag: int) -> None:
@@ -139,16 +150,25 @@ def _setup(cfg: RunConfig, progress: bool):
     task = get_task(cfg.task, load_tokenizer(str(model_dir)))
     policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(device)
     policy.train(False)  # no dropout: the old and new forwards must be comparable
+    if cfg.rl.bias_update_rate:  # a checkpoint's family is known only now: refused before the first step
+        ExpertBias(policy, cfg.rl.bias_update_rate, cfg.rl.bias_count_dtype)
     if cfg.rl.replay == "predictive":
         predictor.install(policy)  # before any copy and before a resume loads the saved heads
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
-    rollout_policy = policy
-    if cfg.rl.rollout_dtype == "bfloat16" or cfg.rl.rollout_lag > 0:
-        rollout_dtype = getattr(torch, cfg.rl.rollout_dtype)
-        rollout_policy = copy.deepcopy(policy).to(rollout_dtype).requires_grad_(False)
-    return task, policy, rollout_policy, ref_model, build_optimizer(policy, cfg.rl)
+    return task, policy, make_rollout_policy(policy, cfg.rl), ref_model, build_optimizer(policy, cfg.rl)
+
+
+def make_rollout_policy(policy, rl):
+    """The model the rollouts sample from: ``policy`` itself, or a copy of it in the rollout dtype (bf16, or fp32
+    with float8 GEMMs), lagged (rl.rollout_lag) or with batch-variant kernels (rl.rollout_kernels). The numerics
+    (moe_lab/models/numerics.py) replace the copy's forwards only, never the policy's."""
+    numerics = RolloutNumerics(float8=rl.rollout_dtype == "float8", batch_variant=rl.rollout_kernels == "batch_variant")
+    if rl.rollout_dtype == "float32" and rl.rollout_lag == 0 and not numerics.active:
+        return policy
+    dtype = torch.bfloat16 if rl.rollout_dtype == "bfloat16" else torch.float32
+    return numerics.install(copy.deepcopy(policy).to(dtype).requires_grad_(False))
 
 
 class PlainRun(SingleProcess):

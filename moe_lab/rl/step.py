@@ -9,6 +9,7 @@ place that reads the mode). Nothing else branches. ``rl_step`` runs one step ove
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -22,12 +23,14 @@ from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
+from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.groups import group_minibatch_indices
 from moe_lab.rl.optim import router_parameters, set_lr
 from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
                              router_logp_probe, router_shift, routing_metrics)
 from moe_lab.routing import predictor
+from moe_lab.routing.bias_counts import counted_ids, router_logits
 
 # across ranks (moe_lab/algos/reductions.py), the metrics of an update made here: the loss and the aux loss are
 # per-sequence means (seq-mean aggregations), the KL loss term only averaged (token-mean of a part: not exact)
@@ -157,6 +160,15 @@ def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | 
                                *_decomp_clip(cfg.rl))
 
 
+def _bias_row(bias: ExpertBias, policy, logits: list, used, latent, data: StepData, idx_B: torch.Tensor,
+              cfg: RunConfig, expert_change_latent: float | None) -> dict[str, float]:
+    """rl.bias_update_rate: this optimizer step's loads (its one update forward's real tokens, prompt and
+    response: the tokens the router ran on, padding excluded), the bias step, and the routing it alone changes."""
+    b = data.batch
+    bias.count(counted_ids(cfg.rl.bias_counts, used, latent), b.attention_mask_BS[idx_B][:, :-1])
+    return bias.update_measured(policy, logits, b.response_mask_BT[idx_B], expert_change_latent)
+
+
 def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cfg: RunConfig, step: int,
            update_idx: int) -> dict[str, float]:
     """One optimizer step on the minibatch idx_B (indices into the rollout batch); returns its metrics (the
@@ -173,7 +185,9 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     mask = data.batch.response_mask_BT[idx_B]
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
-    with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current:
+    bias = ExpertBias(policy, cfg.rl.bias_update_rate, cfg.rl.bias_count_dtype) if cfg.rl.bias_update_rate else None
+    with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current, \
+            (router_logits(policy) if bias else contextlib.nullcontext()) as logits:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
             loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
@@ -183,6 +197,9 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
         optimizer.step()
     used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
     metrics.update(_routing_row(ref, used, latent, mask, shift))
+    if bias is not None and math.isfinite(grad_norm):  # the bias steps with the optimizer
+        metrics.update(_bias_row(bias, policy, logits, used, latent, data, idx_B, cfg,
+                                 metrics.get("routing/expert_change_latent")))
     if forced is not None and cfg.rl.replay_gate > 0:
         metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/router_grad_norm": router_norm,

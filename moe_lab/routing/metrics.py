@@ -84,19 +84,20 @@ def _change_stats(old: Any, new: Any, mask: Tensor | None) -> dict[str, Any]:
     E, K = _num_experts(old, new), ids_old.shape[-1]
     w_old, w_new = (None if isinstance(t, Tensor) else getattr(t, "weights", None) for t in (old, new))
     with_w = w_old is not None and w_new is not None
-    change_L, drift_sum, drift_n = [], 0.0, 0
+    change_L, router_L, drift_sum, drift_n = [], [], 0.0, 0
     any_BS = torch.zeros_like(mask_BS)
     for l in range(ids_old.shape[0]):
         a_BSE, b_BSE = _bitmask_BSE(ids_old[l], E, "old"), _bitmask_BSE(ids_new[l], E, "new")
         both_BSE = a_BSE & b_BSE & mask_BS[..., None]
         overlap_BS = both_BSE.sum(-1)
         change_L.append(((K - overlap_BS) * mask_BS).sum().item() / K)
+        router_L.append(int(((overlap_BS < K) & mask_BS).sum().item()))
         any_BS |= (overlap_BS < K) & mask_BS
         if with_w:
             diff_BSE = _dense_BSE(ids_old[l], w_old[l], E) - _dense_BSE(ids_new[l], w_new[l].to(w_old.device), E)
             drift_sum += diff_BSE.abs()[both_BSE].sum().item()
             drift_n += int(both_BSE.sum().item())
-    return dict(tokens=int(mask_BS.sum().item()), change_L=change_L, any=int(any_BS.sum().item()),
+    return dict(tokens=int(mask_BS.sum().item()), change_L=change_L, router_L=router_L, any=int(any_BS.sum().item()),
                 with_w=with_w, drift_sum=drift_sum, drift_n=drift_n)
 
 
@@ -118,6 +119,21 @@ def routing_metrics(old: Any, new: Any, mask: Tensor | None = None, prefix: str 
         out[f"{prefix}layer_{l}/expert_change"] = change / n if n else math.nan
     if st["with_w"]:
         out[f"{prefix}gate_drift"] = st["drift_sum"] / st["drift_n"] if st["drift_n"] else math.nan
+    return out
+
+
+def router_mismatch(rollout: Any, train: Any, mask: Tensor | None = None) -> dict[str, float]:
+    """The R3 paper's (arXiv:2510.11370) routing mismatch table between two routings of the same tokens:
+    expert_change (share of activated experts), router_change (share of (token, MoE layer) routers whose top-k
+    SET differs), any_change (share of tokens with at least one such layer), routers_per_token (differing
+    routers per token: router_change x L) and layer_{l}/router_change; nan on an empty mask."""
+    st = _change_stats(rollout, train, mask)
+    n, L = st["tokens"], len(st["router_L"])
+    if not n:
+        return {key: math.nan for key in ("expert_change", "router_change", "any_change", "routers_per_token")}
+    out = {"expert_change": sum(st["change_L"]) / (n * L), "router_change": sum(st["router_L"]) / (n * L),
+           "any_change": st["any"] / n, "routers_per_token": sum(st["router_L"]) / n}
+    out.update({f"layer_{l}/router_change": changed / n for l, changed in enumerate(st["router_L"])})
     return out
 
 

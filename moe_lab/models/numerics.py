@@ -1,0 +1,162 @@
+"""Rollout numerics: the FP8 and batch-variant kernels of an inference engine, emulated on the rollout copy.
+
+``RolloutNumerics(float8, batch_variant).install(model)`` replaces the forward of the rollout copy's non-router
+linear layers and fused experts (instance attributes of that copy only: the trained policy and every other model
+keep their own forwards). Nothing is installed when both are off, so the default rollout keeps its bits.
+
+float8: e4m3 fake quantisation (``fake_quant``: x / scale -> float8_e4m3fn -> float32 * scale, scale = amax / 448
+per block, in fp32) of the weights and the activations entering every quantised GEMM, as DeepSeek-V3's FP8 recipe
+and vLLM/SGLang's block-FP8 serving run them. Quantised: attention projections (q/k/v/o, MLA's a/b projections),
+routed experts (fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], blocks within each expert; the
+activations into both expert GEMMs: the routed tokens and act(gate) * up) and shared-expert MLPs. Kept in the
+copy's precision (fp32): the router (its logits decide the top-k, and FP8 stacks keep the gate in bf16/fp32),
+gate-like linears (``*_gate``, e.g. Qwen2-MoE's shared_expert_gate), embeddings, lm_head and norms, which those
+stacks also leave unquantised. Blocks: DeepSeek-V3 uses 128 x 128 weight blocks and 1 x 128 activation tiles on
+widths of 7168; moe_lab's models are 32-256 wide, where a 128 block would be one scale per matrix, so blocks here
+are ``BLOCK`` = 32 (32 x 32 weights, 1 x 32 activation tiles): a few scales per row, as at full size.
+
+batch_invariant (the default): with float8 the emulated GEMMs take every row through the same one-row kernel
+(``row_gemm``), so a sequence's bits do not depend on its batch; a float32 or bfloat16 rollout keeps the platform's
+kernels untouched (today's bits), which on CPU are NOT batch-invariant: MKL's GEMM bits depend on the row count.
+
+batch_variant: the reductions depend on the batch, as in an engine whose kernels are not batch-invariant (vLLM
+#57016, Megatron-LM #7562). Every quantised GEMM becomes a split-K matmul whose number of K chunks follows its row
+count M (``split_k_chunks``; for an expert, M = the tokens the batch routes to it), the chunks' partial products
+summed in fp32 from the first; and the MoE combine sums the k weighted expert outputs starting from slot
+M mod k. Floating-point addition commutes, so at k = 2 the combine order cannot change a bit: there the batch
+dependence comes from the split-K GEMMs alone.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+BLOCK = 32  # weight blocks BLOCK x BLOCK, activation tiles 1 x BLOCK (see the module docstring)
+
+
+def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int = BLOCK) -> torch.Tensor:
+    """e4m3 fake quantisation of the last two dims of ``x`` in (block_rows x block_cols) blocks, one scale
+    amax / 448 per block (an all-zero block keeps scale 1); returns fp32. block_rows=1: activation tiles."""
+    shape = x.shape
+    x2 = x.float().reshape(-1, shape[-2] if x.dim() > 1 else 1, shape[-1])
+    n, r, c = x2.shape
+    pr, pc = -r % block_rows, -c % block_cols
+    padded = nn.functional.pad(x2, (0, pc, 0, pr))
+    blocks = padded.reshape(n, (r + pr) // block_rows, block_rows, (c + pc) // block_cols, block_cols)
+    amax = blocks.abs().amax(dim=(2, 4), keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    return q.reshape(n, r + pr, c + pc)[:, :r, :c].reshape(shape)
+
+
+def quant_act(x: torch.Tensor) -> torch.Tensor:
+    """Activations in 1 x BLOCK tiles along the last (reduction) dim, back in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    return fake_quant(flat, 1).reshape(x.shape).to(x.dtype)
+
+
+def split_k_chunks(rows: int, k: int) -> int:
+    """K chunks of a batch-variant GEMM with ``rows`` rows: a stand-in for a split-K heuristic keyed on M (only
+    that the grouping follows the batch matters), at least 8 elements per chunk."""
+    return max(1, min(1 + rows % 3, k // 8))
+
+
+@dataclass(frozen=True)
+class RolloutNumerics:
+    """What the rollout copy's GEMMs emulate (module docstring). ``install`` once on the copy; the quantised
+    weights are cached per parameter and recomputed whenever the parameter changes (its in-place version)."""
+
+    float8: bool = False
+    batch_variant: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.float8 or self.batch_variant
+
+    def install(self, model: nn.Module) -> nn.Module:
+        """Replace the forwards of ``model``'s quantisable linears and fused experts; refuses experts it cannot
+        emulate (biased or transposed layouts: gpt_oss). A no-op when nothing is on."""
+        if not self.active:
+            return model
+        cache: dict[int, tuple[int, torch.Tensor]] = {}
+        out_emb = model.get_output_embeddings()
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and module is not out_emb and not name.endswith("gate"):
+                module.forward = types.MethodType(_linear_forward(self, cache), module)
+            elif _is_fused_experts(module):
+                module.forward = types.MethodType(_experts_forward(self, cache), module)
+            elif getattr(getattr(module, "gate_up_proj", None), "dim", lambda: 0)() == 3:
+                raise ValueError(f"rollout numerics: experts {name} ({type(module).__name__}) have a layout "
+                                 "(bias or transposed weights) the emulation does not cover")
+        return model
+
+    def weight(self, w: torch.Tensor, cache: dict) -> torch.Tensor:
+        """The weight the GEMM uses: blockwise e4m3 (per expert for 3-D weights) under float8, else ``w``."""
+        if not self.float8:
+            return w
+        hit = cache.get(id(w))
+        if hit is None or hit[0] != w._version:
+            hit = (w._version, fake_quant(w.detach(), BLOCK).to(w.dtype))
+            cache[id(w)] = hit
+        return hit[1]
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ w[N, K]^T with activations quantised (float8) and K split by the rows (batch_variant)."""
+        if self.float8:
+            x = quant_act(x)
+        x_RK = x.reshape(-1, x.shape[-1])
+        rows, k = x_RK.shape
+        chunks = split_k_chunks(rows, k) if self.batch_variant else 1
+        acc = None
+        for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
+            y = row_gemm(xc, wc).float() if chunks > 1 else row_gemm(xc, wc)
+            acc = y if acc is None else acc + y
+        return acc.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def row_gemm(x_RK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with every row through the same one-row kernel (a bmm of R 1 x K by K x N): its bits never depend
+    on the other rows. The platform's GEMM does not give that on CPU: MKL blocks by the row count M (and the
+    threads), so one row of an [M, K] product has other bits at another M (measured with torch 2.13 CPU)."""
+    return torch.bmm(x_RK.unsqueeze(1), w_NK.t().unsqueeze(0).expand(x_RK.shape[0], -1, -1)).squeeze(1)
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter) and up.dim() == 3
+            and not getattr(module, "is_transposed", False) and not getattr(module, "has_bias", False)
+            and hasattr(module, "act_fn"))
+
+
+def _linear_forward(numerics: RolloutNumerics, cache: dict):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = numerics.matmul(x, numerics.weight(self.weight, cache))
+        return y if self.bias is None else y + self.bias
+    return forward
+
+
+def _experts_forward(numerics: RolloutNumerics, cache: dict):
+    """The fused experts' forward (transformers' eager loop: gate, up = x W_gu^T; act(gate) * up; W_d), with the
+    numerics' GEMMs per expert and the combine summed over slots in the batch's order."""
+    def forward(self, hidden_NH: torch.Tensor, top_k_index_NK: torch.Tensor, top_k_weights_NK: torch.Tensor):
+        N, K = top_k_index_NK.shape
+        w_up, w_down = numerics.weight(self.gate_up_proj, cache), numerics.weight(self.down_proj, cache)
+        out_NKH = torch.zeros(N, K, hidden_NH.shape[-1], dtype=hidden_NH.dtype, device=hidden_NH.device)
+        for e in torch.unique(top_k_index_NK).tolist():
+            if e < 0 or e >= w_up.shape[0]:  # a masked slot (no expert)
+                continue
+            tok, slot = torch.where(top_k_index_NK == e)
+            gate, up = numerics.matmul(hidden_NH[tok], w_up[e]).chunk(2, dim=-1)
+            y = numerics.matmul(self.act_fn(gate) * up, w_down[e])
+            out_NKH[tok, slot] = y * top_k_weights_NK[tok, slot, None].to(y.dtype)
+        first = N % K if numerics.batch_variant else 0
+        total = out_NKH[:, first]
+        for j in range(1, K):
+            total = total + out_NKH[:, (first + j) % K]
+        return total
+    return forward
