@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from moe_lab.launch.catalog import builtin_names, first_sentence
@@ -101,11 +102,17 @@ def test_runtime_from_a_reference_is_the_summed_wall_time_over_two_workers(tmp_p
     from moe_lab.launch.catalog import runtime
 
     walls = {"a-s0": 60.0, "a-s1": 90.0, "b-s0": 30.0}
-    for run_id, wall in walls.items():
+    for run_id, wall in walls.items():  # finished runs as the runner leaves them: manifest and the rows it counts
         (tmp_path / "x" / "runs" / run_id).mkdir(parents=True)
-        (tmp_path / "x" / "runs" / run_id / "manifest.json").write_text(json.dumps({"wall_s": wall}))
+        (tmp_path / "x" / "runs" / run_id / "manifest.json").write_text(
+            json.dumps({"status": "done", "wall_s": wall, "rows": 1, "eval_rows": 0}))
+        pd.DataFrame({"step": [0]}).to_parquet(tmp_path / "x" / "runs" / run_id / "metrics.parquet")
     got = runtime("x", {"minutes_2cores": 99}, list(walls), reference_dir=tmp_path)
     assert (got.minutes, got.source) == (180.0 / 2 / 60, "reference")
+    # a run the runner would run again (its table lacks a row its manifest counts) measures nothing
+    pd.DataFrame({"step": []}).to_parquet(tmp_path / "x" / "runs" / "b-s0" / "metrics.parquet")
+    assert runtime("x", {"minutes_2cores": 99}, list(walls), reference_dir=tmp_path).source == "yaml"
+    pd.DataFrame({"step": [0]}).to_parquet(tmp_path / "x" / "runs" / "b-s0" / "metrics.parquet")
     # a reference that is not exactly the experiment's cells says nothing about it: the YAML's field then
     assert runtime("x", {"minutes_2cores": 99}, ["a-s0"], reference_dir=tmp_path).source == "yaml"
     assert runtime("x", {}, ["a-s0"], reference_dir=tmp_path).source == "not measured"

@@ -34,6 +34,18 @@ def _metrics(run: Path, steps: int) -> None:
         run / "metrics.parquet")
 
 
+def _finished(run: Path, **fields) -> None:
+    """A finished run as the runner leaves it: its manifest, its tables holding the rows it counts."""
+    _manifest(run, rows=2 * fields["steps_done"], eval_rows=0, **fields)
+    _metrics(run, fields["steps_done"])
+
+
+def _configs(out: Path, exp: dict) -> None:
+    for c in expand(exp):  # each started run holds its own config, as the runner writes it
+        if (out / "runs" / c.run_id).is_dir():
+            (out / "runs" / c.run_id / "config.yaml").write_text(dump_yaml(c.config), encoding="utf-8")
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -46,17 +58,15 @@ def results(tmp_path):
     runs = out / "runs"
     out.mkdir()
     (out / "experiment.yaml").write_text(yaml.safe_dump(EXP), encoding="utf-8")
-    _manifest(runs / "grpo-s10", status="done", steps_done=20, wall_s=40.0)
-    _manifest(runs / "gspo-s10", status="collapsed", steps_done=5, wall_s=20.0, reason="reward collapsed")
+    _finished(runs / "grpo-s10", status="done", steps_done=20, wall_s=40.0)
+    _finished(runs / "gspo-s10", status="collapsed", steps_done=5, wall_s=20.0, reason="reward collapsed")
     _manifest(runs / "grpo-s20", status="running")
     _metrics(runs / "grpo-s20", 7)
     _manifest(runs / "gspo-s20", status="running")  # its runner died: the pid in .lock is gone
     _metrics(runs / "gspo-s20", 3)
     (runs / "gspo-s20" / ".lock").write_text(str(_dead_pid()), encoding="ascii")
     _manifest(runs / "grpo-s11", status="failed", reason="boom", traceback="...")
-    for c in expand(EXP):  # each started run holds its own config, as the runner writes it
-        if (runs / c.run_id).is_dir():
-            (runs / c.run_id / "config.yaml").write_text(dump_yaml(c.config), encoding="utf-8")
+    _configs(out, EXP)
     return out
 
 
@@ -103,7 +113,8 @@ def test_exit_0_when_every_run_finished(tmp_path, capsys):
     exp = {**EXP, "blocks": {"field": "model.seed", "seeds": {1: [10]}}}
     (tmp_path / "experiment.yaml").write_text(yaml.safe_dump(exp), encoding="utf-8")
     for arm in ("grpo", "gspo"):
-        _manifest(tmp_path / "runs" / f"{arm}-s10", status="done", steps_done=20, wall_s=1.0)
+        _finished(tmp_path / "runs" / f"{arm}-s10", status="done", steps_done=20, wall_s=1.0)
+    _configs(tmp_path, exp)
     assert main(["progress", str(tmp_path)]) == 0
     assert "left" not in capsys.readouterr().out
 
@@ -124,10 +135,11 @@ def test_compare_notes_an_interim_folder_and_says_nothing_of_a_finished_one(resu
         f"one after the last (moe-lab progress {results})")
     done = tmp_path / "done"
     (done / "runs").mkdir(parents=True)
-    (done / "experiment.yaml").write_text(yaml.safe_dump({**EXP, "blocks": {"field": "model.seed",
-                                                                             "seeds": {1: [10]}}}), encoding="utf-8")
+    exp = {**EXP, "blocks": {"field": "model.seed", "seeds": {1: [10]}}}
+    (done / "experiment.yaml").write_text(yaml.safe_dump(exp), encoding="utf-8")
     for arm in ("grpo", "gspo"):
-        _manifest(done / "runs" / f"{arm}-s10", status="done", steps_done=20, wall_s=1.0)
+        _finished(done / "runs" / f"{arm}-s10", status="done", steps_done=20, wall_s=1.0)
+    _configs(done, exp)
     assert _interim_note(done) is None
     assert _interim_note(tmp_path / "no_experiment_file") is None
 

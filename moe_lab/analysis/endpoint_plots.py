@@ -24,6 +24,7 @@ from moe_lab.analysis import endpoints, results
 from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_order, band, figure_legend, new_figure,
                                     styled)
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec
+from moe_lab.rl.run_folder import ResultsFolder, as_results
 from moe_lab.rl.runlog import FINISHED
 
 RUN_COLUMNS = ("experiment", "run_id", "arm", "arm_base", "seed")
@@ -142,14 +143,11 @@ def endpoint_pairs(per_run: pd.DataFrame, baseline: str | None = "grpo") -> pd.D
     return endpoints.compare_arms(per_run, baseline if present else None)
 
 
-def load_folder(folder: str | Path) -> tuple[EndpointSpec, pd.DataFrame, pd.DataFrame]:
+def load_folder(folder: str | Path | ResultsFolder) -> tuple[EndpointSpec, pd.DataFrame, pd.DataFrame]:
     """(spec, metrics, evals) of an experiment folder; the spec from its experiment.yaml (the one it ran)."""
-    from moe_lab.config import load_yaml
-
-    folder = Path(folder)
-    exp_file = folder / "experiment.yaml"
-    metrics, evals = results.load_runs(folder)
-    return endpoint_spec(load_yaml(str(exp_file)) if exp_file.is_file() else None), metrics, evals
+    folder = as_results(folder)
+    metrics, evals = results.load_runs(folder.path)
+    return endpoint_spec(folder.experiment()), metrics, evals
 
 
 def _row_label(group: str, r) -> str:

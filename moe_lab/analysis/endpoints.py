@@ -32,6 +32,7 @@ from moe_lab.analysis.replay_map import welch_diff_ci
 from moe_lab.config import ConfigError
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
+from moe_lab.rl.run_folder import ResultsFolder, as_results
 from moe_lab.rl.runlog import FINISHED
 
 EXACT_LIMIT = 2_000_000  # splits enumerated exactly (10 vs 10 seeds: 184,756)
@@ -87,7 +88,7 @@ def run_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec
 
 
 def unfinished_runs(evals: pd.DataFrame) -> list[str]:
-    """Run ids of the folder that are not finished (running, interrupted, failed): no endpoint yet."""
+    """Run ids of the folder that are not finished (running, interrupted, failed, unverified): no endpoint yet."""
     if "status" not in evals or not len(evals):
         return []
     status = evals.groupby("run_id", sort=True)["status"].first()
@@ -160,27 +161,25 @@ def arm_means(per_run: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def load_comparison(results: str | Path, baseline: str | None = None) -> tuple[EndpointSpec, pd.DataFrame,
-                                                                                    pd.DataFrame, pd.DataFrame]:
+def load_comparison(results: str | Path | ResultsFolder, baseline: str | None = None) -> tuple[
+        EndpointSpec, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(spec, per-run endpoints, per-arm means, pairs) of an experiment folder; the spec from the folder's own
     experiment.yaml (the one it ran), else the defaults. One ValueError line for a folder with no runs."""
     from moe_lab.analysis.tables import load_runs
-    from moe_lab.config import load_yaml
 
-    folder = Path(results)
-    if not folder.is_dir():
-        raise ConfigError(f"RESULTS_DIR={results}: no such folder")
-    exp_file = folder / "experiment.yaml"
-    exp = load_yaml(str(exp_file)) if exp_file.is_file() else None
+    folder = as_results(results)
+    if not folder.path.is_dir():
+        raise ConfigError(f"RESULTS_DIR={folder.path}: no such folder")
+    exp = folder.experiment()
     spec, blocks = endpoint_spec(exp), blocks_spec(exp)
-    metrics, evals = load_runs(folder)
+    metrics, evals = load_runs(folder.path)
     if not len(evals):
-        raise ConfigError(f"RESULTS_DIR={results}: no finished runs with evaluations")
+        raise ConfigError(f"RESULTS_DIR={folder.path}: no finished runs with evaluations")
     if spec.primary_metric not in evals:
         raise ConfigError(f"endpoints.primary.metric={spec.primary_metric}: not a column of the eval tables")
     per_run = run_endpoints(metrics, evals, spec, blocks.field if blocks else None)
     if not len(per_run):
-        raise ConfigError(f"RESULTS_DIR={results}: no finished runs yet (status done or collapsed)")
+        raise ConfigError(f"RESULTS_DIR={folder.path}: no finished runs yet (status done or collapsed)")
     per_run.attrs["unfinished"] = unfinished_runs(evals)
     return spec, per_run, arm_means(per_run), compare_arms(per_run, baseline)
 

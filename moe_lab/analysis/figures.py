@@ -112,10 +112,10 @@ def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
 
 def _design(results_dir: Path) -> dict | None:
     """The experiment.yaml the runner wrote beside runs/, if readable (the atlas's factors, the endpoints)."""
-    from moe_lab.config import load_yaml
+    from moe_lab.rl.run_folder import ResultsFolder
 
     try:
-        return load_yaml(str(results_dir / "experiment.yaml"))
+        return ResultsFolder(results_dir).experiment()
     except (OSError, ConfigError):
         return None
 

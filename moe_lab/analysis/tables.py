@@ -8,8 +8,9 @@ Layout read (written by the runner, see docs/metrics.md)::
 
 ``load_runs`` gives one row per minibatch update (metrics) and one per evaluation (eval), each carrying
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
-the manifest's "status" ('collapsed' for a run a collapse rule stopped, including a 'failed' manifest written
-before that status existed: see runlog.run_status) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
+the manifest's "status" as moe_lab/rl/run_folder.py reads it ('collapsed' for a run a collapse rule stopped,
+including a 'failed' manifest written before that status existed; 'unverified' for a finished manifest whose tables
+do not hold the rows the run committed, which the runner runs again) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
 see moe_lab/rl/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
@@ -18,12 +19,11 @@ A run folder written before the manifest recorded collapses (or a running or cra
 is not final) gets them recomputed from its metrics table with its config's collapse rules (today's
 defaults where the config predates them): the rules are a pure function of the logged rows, so this is
 what the run would have recorded.
-Nothing here unpickles: YAML goes through yaml.safe_load, parquet through pandas/pyarrow.
+Nothing here unpickles: YAML goes through the safe loader (yaml_io.load_yaml), parquet through pandas/pyarrow.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -32,14 +32,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from moe_lab.rl import health
 from moe_lab.config import upgrade_run_config
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.rl.runlog import FINISHED, STATUS_FAILED, run_status
-
-CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
+from moe_lab.rl.run_folder import RUNS_DIR, RunFolder
+from moe_lab.rl.runlog import CONFIG_FILE, FINISHED, MANIFEST_FILE, METRICS_FILE, STATUS_FAILED
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")
 RUN_KEYS = ("experiment", "run_id")  # a run is unique by these two when several experiments are loaded
 SUMMARY_EVAL = ("eval/acc_greedy", "eval/acc_sampled")
@@ -141,25 +139,25 @@ def find_run_dirs(path: str | Path) -> list[Path]:
                          "or a run folder")
     if _is_run_dir(path):
         return [path]
-    runs = path / "runs" if (path / "runs").is_dir() else path
+    runs = path / RUNS_DIR if (path / RUNS_DIR).is_dir() else path
     return sorted(p for p in runs.iterdir() if p.is_dir() and _is_run_dir(p))
 
 
 def _experiment_name(run_dir: Path) -> str:
-    return run_dir.parent.parent.name if run_dir.parent.name == "runs" else run_dir.parent.name
+    return run_dir.parent.parent.name if run_dir.parent.name == RUNS_DIR else run_dir.parent.name
 
 
 def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Both frames of one run with its config/manifest columns; raises on a missing or unreadable file."""
-    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    manifest = json.loads((run_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
-    if not isinstance(config, dict) or not isinstance(manifest, dict):
-        raise ValueError("config.yaml and manifest.json must each hold a mapping")
-    metrics = pd.read_parquet(run_dir / METRICS_FILE)
-    evals = pd.read_parquet(run_dir / EVAL_FILE) if (run_dir / EVAL_FILE).exists() else pd.DataFrame()
+    run = RunFolder(run_dir)
+    if not run.manifest_path.is_file():
+        raise FileNotFoundError(f"no {run.manifest_path.name}")
+    config, manifest = run.config(upgraded=False), run.manifest
+    metrics = pd.read_parquet(run.metrics_path)
+    evals = pd.read_parquet(run.eval_path) if run.eval_path.exists() else pd.DataFrame()
     run_cols = {k: manifest.get(k) for k in ID_COLUMNS}
     run_cols.update({k: v for k, v in flatten(upgrade_run_config(config)).items() if k not in ID_COLUMNS})
-    run_cols.update(status=run_status(manifest), reason=manifest.get("reason", ""),
+    run_cols.update(status=run.verified_status(), reason=manifest.get("reason", ""),
                     experiment=_experiment_name(run_dir), run_dir=str(run_dir))
     run_cols.update(_collapse(manifest, config, metrics))
     return _with_run_columns(metrics, run_cols), _with_run_columns(evals, run_cols)
@@ -169,8 +167,8 @@ def _collapse(manifest: dict, config: dict, metrics: pd.DataFrame) -> dict:
     """collapsed_at (NaN = never) and collapse_rule of a run: the manifest's where it is final, else
     recomputed from its rows. Not final: a manifest without the field (written before it existed), a
     running run, or one that failed on an exception (its manifest still holds the value from the start of
-    that attempt, while its rows went on)."""
-    status = run_status(manifest)
+    that attempt, while its rows went on). ``manifest``: RunFolder.manifest."""
+    status = manifest.get("status")
     final = status in FINISHED or (status == STATUS_FAILED and "traceback" not in manifest)
     if "collapsed_at" in manifest and final:
         at, rule = manifest["collapsed_at"], manifest.get("collapse_rule") or ""

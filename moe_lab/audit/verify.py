@@ -32,11 +32,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from moe_lab.config import ConfigError, from_dict, load_yaml, set_dotted, upgrade_run_config, validate
+from moe_lab.config import ConfigError, from_dict, set_dotted, validate
 from moe_lab.constants import MACHINE_ENV
 from moe_lab.audit import verdicts
-from moe_lab.rl.runlog import FINISHED, read_json, run_status
+from moe_lab.rl.run_folder import ResultsFolder, RunFolder
+from moe_lab.rl.runlog import FINISHED
 
+NOT_DONE = ("the reference's tables do not hold the rows its checkpoint or manifest committed (the runner would run "
+            "it again)")
 DEFAULT_CELLS = 2
 DEFAULT_STEPS = 3
 ALL = "all"
@@ -50,6 +53,7 @@ class RefRun:
     run_dir: Path
     manifest: dict
     config: dict  # the config.yaml as upgraded to the current fields
+    done: bool = True  # what the runner says (RunFolder.finished): False when its tables lack what it committed
 
     @property
     def steps(self) -> int:
@@ -71,38 +75,39 @@ def parse_count(text: str | None, flag: str, default: int) -> int | None:
     return value
 
 
-def _read_run(run_dir: Path) -> RefRun | None:
-    """The run folder as a reference cell, or None when it is not a finished run with its tables."""
-    manifest_path, config_path = run_dir / "manifest.json", run_dir / "config.yaml"
-    if not (manifest_path.is_file() and config_path.is_file() and (run_dir / "metrics.parquet").is_file()):
+def _read_run(run: RunFolder) -> RefRun | None:
+    """The run folder as a reference cell, or None when its manifest does not say finished (done or collapsed) or
+    it lacks a table. A finished one whose tables no longer hold what it committed (the runner would run it again)
+    is kept, marked not ``done``: its verdict names the rows that changed, and says so."""
+    if not (run.manifest_path.is_file() and run.config_path.is_file() and run.metrics_path.is_file()):
         return None
     try:
-        manifest = read_json(manifest_path)
+        manifest = run.manifest
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        config = upgrade_run_config(load_yaml(str(config_path)))
+        config = run.config()
         validate(from_dict(config))
     except (ValueError, OSError) as exc:  # ConfigError included
-        raise ConfigError(f"{config_path}: not a config this code can run ({' '.join(str(exc).split())})") from None
-    if run_status(manifest) not in FINISHED:
+        raise ConfigError(f"{run.config_path}: not a config this code can run ({' '.join(str(exc).split())})") from None
+    if run.status not in FINISHED:
         return None
     seed = manifest.get("seed", config.get("seed", 0))
-    return RefRun(run_dir.name, str(manifest.get("arm", run_dir.name)), int(seed), run_dir, manifest, config)
+    return RefRun(run.run_id, str(manifest.get("arm", run.run_id)), int(seed), run.path, manifest, config,
+                  run.finished() is not None)
 
 
 def load_reference(folder: Path) -> list[RefRun]:
     """The finished runs of a results folder, sorted by (arm, seed); a ConfigError when there are none."""
-    folder = Path(folder)
-    if not folder.is_dir():
+    results = ResultsFolder(folder)
+    if not results.path.is_dir():
         raise ConfigError(f"RESULTS_DIR: {folder} is not a folder; expected a results folder holding runs/")
-    runs_dir = folder / "runs"
-    if not runs_dir.is_dir():
+    if not results.runs_dir.is_dir():
         raise ConfigError(f"RESULTS_DIR: {folder} has no runs/ folder; expected the layout moe-lab run writes")
-    runs = [r for r in map(_read_run, sorted(p for p in runs_dir.iterdir() if p.is_dir())) if r is not None]
+    runs = [r for r in map(_read_run, results.run_folders()) if r is not None]
     if not runs:
-        raise ConfigError(f"RESULTS_DIR: {runs_dir} holds no finished run (config.yaml, manifest.json with status "
-                          f"done or collapsed, metrics.parquet)")
+        raise ConfigError(f"RESULTS_DIR: {results.runs_dir} holds no finished run (config.yaml, manifest.json with "
+                          f"status done or collapsed, metrics.parquet)")
     return sorted(runs, key=lambda r: (r.arm, r.seed, r.run_id))
 
 
@@ -152,7 +157,7 @@ def rerun(ref: RefRun, steps: int | None, out: Path, cache: Path) -> Path:
     if steps is not None and steps < ref.steps:
         set_dotted(data, "rl.steps", steps)
     quiet_transformers()
-    run_dir = out / "runs" / ref.run_id
+    run_dir = ResultsFolder(out).run(ref.run_id).path
     train(validate(from_dict(data)), run_dir, run_id=ref.run_id, arm=ref.arm)
     return run_dir
 
@@ -161,8 +166,8 @@ def _tables(run_dir: Path, steps: int | None) -> tuple[pd.DataFrame, pd.DataFram
     """(metrics, eval) of a run, cut to the rows of steps < ``steps`` (an eval at step K follows step K-1
     in a run cut at K, but precedes step K in a longer one: not comparable)."""
     frames = []
-    for name in ("metrics.parquet", "eval.parquet"):
-        path = run_dir / name
+    run = RunFolder(run_dir)
+    for path in (run.metrics_path, run.eval_path):
         frame = pd.read_parquet(path) if path.exists() else pd.DataFrame({"step": []})
         frames.append(frame[frame["step"] < steps].reset_index(drop=True) if steps is not None else frame)
     return frames[0], frames[1]
@@ -182,7 +187,7 @@ def cell_verdict(ref: RefRun, new_dir: Path, steps: int | None, runs: list[RefRu
     cut = None if whole else steps
     (ref_m, ref_e), (new_m, new_e) = _tables(ref.run_dir, cut), _tables(new_dir, cut)
     diff = verdicts.first_difference("metrics", ref_m, new_m) or verdicts.first_difference("eval", ref_e, new_e)
-    current = json.loads((new_dir / "manifest.json").read_text(encoding="utf-8"))
+    current = RunFolder(new_dir).manifest
     span = "whole run" if whole else f"first {_count(steps, 'RL step')}"
     note = verdicts.column_note(ref_m, new_m)
     coldstart = verdicts.coldstart_text(ref.manifest, current)
@@ -220,9 +225,7 @@ def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[Ref
     chosen = choose_cells(runs, n_cells)
     for ref in chosen:
         _runnable_here(ref)
-    exp_path = Path(folder) / "experiment.yaml"
-    exp = load_yaml(str(exp_path)) if exp_path.is_file() else {}
-    exp = exp if isinstance(exp, dict) else {}
+    exp = ResultsFolder(folder).experiment() or {}
     if n_steps is None or any(_whole(ref, n_steps) for ref in chosen):
         from moe_lab.analysis.endpoints import endpoint_spec
 
@@ -241,7 +244,7 @@ def _runnable_here(ref: RefRun) -> None:
         resolve_device(cfg.model.device)
         preflight(cfg)
     except ValueError as exc:
-        raise ConfigError(f"{ref.run_dir / 'config.yaml'}: cannot re-run here: {exc}") from None
+        raise ConfigError(f"{RunFolder(ref.run_dir).config_path}: cannot re-run here: {exc}") from None
 
 
 def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: dict, echo=print) -> int:
@@ -256,6 +259,6 @@ def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: dic
                 failed = True
                 continue
             line, bad = cell_verdict(ref, new_dir, steps, runs, exp)
-            echo(line)
+            echo(line if ref.done else f"{line}; {NOT_DONE}")
             failed = failed or bad
     return 1 if failed else 0

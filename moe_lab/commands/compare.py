@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from moe_lab.config import ConfigError
 
@@ -28,17 +27,20 @@ def main(args) -> int:
     from moe_lab.analysis.contrasts import format_declared, load_declared
     from moe_lab.analysis.endpoints import format_comparison, load_comparison
 
-    spec, per_run, arms, pairs = load_comparison(args.results, args.baseline)
+    from moe_lab.rl.run_folder import ResultsFolder
+
+    folder = ResultsFolder(args.results)  # one reading of its experiment.yaml for the calls below
+    spec, per_run, arms, pairs = load_comparison(folder, args.baseline)
     unfinished = per_run.attrs.get("unfinished", [])
     if unfinished:  # stderr: the table itself stays machine-readable with --csv
         print(f"moe-lab: note: {len(unfinished)} run(s) not finished, left out: {', '.join(unfinished)}",
               file=sys.stderr)
-    interim = interim_note(Path(args.results))
+    interim = interim_note(folder)
     if interim:
         print(interim, file=sys.stderr)
     from moe_lab.launch.coldstarts import mixed_notes
 
-    for line in mixed_notes(Path(args.results) / "runs"):  # a block mixing two models of one cold-start key
+    for line in mixed_notes(folder.runs_dir):  # a block mixing two models of one cold-start key
         print(line, file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
     declared = load_declared(args.results, per_run=per_run)
@@ -47,11 +49,14 @@ def main(args) -> int:
     return 0
 
 
-def interim_note(results: Path) -> str | None:
-    """A line when the folder's experiment has cells not yet finished (never started ones included, which the
-    tables cannot see): an analysis fixed before the runs is the one after the last run, not this one."""
+def interim_note(results) -> str | None:
+    """A line when the folder's experiment (``results``: a path or a run_folder.ResultsFolder) has cells not yet
+    finished (never started ones included, which the tables cannot see): an analysis fixed before the runs is the
+    one after the last run, not this one."""
     from moe_lab.launch.progress import collect
+    from moe_lab.rl.run_folder import as_results
 
+    results = as_results(results)
     try:
         exp, cells = collect(results)
     except ConfigError:  # a folder without the runner's experiment.yaml: nothing to count against
@@ -59,5 +64,5 @@ def interim_note(results: Path) -> str | None:
     finished = sum(c.state == "finished" for c in cells)
     if finished == len(cells):
         return None
-    return (f"moe-lab: note: interim: {finished} of {len(cells)} runs of {exp.get('name') or results.name} "
-            f"finished; an analysis fixed before the runs is the one after the last (moe-lab progress {results})")
+    return (f"moe-lab: note: interim: {finished} of {len(cells)} runs of {exp.get('name') or results.path.name} "
+            f"finished; an analysis fixed before the runs is the one after the last (moe-lab progress {results.path})")

@@ -15,13 +15,13 @@ Nothing here is a hand-kept list: the names are the package's YAML files, the ce
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from moe_lab.config import load_yaml
+from moe_lab.rl.run_folder import ResultsFolder
 
 BUILTIN = "moe_lab.experiments"
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "reference"
@@ -55,14 +55,16 @@ class Runtime:
 
 def reference_minutes(run_ids: list[str], folder: Path) -> float | None:
     """Summed training wall time of the reference's runs / 2 workers, in minutes; None unless the folder's
-    runs are exactly ``run_ids`` and every manifest records ``wall_s``."""
-    runs = folder / "runs"
-    if not runs.is_dir() or sorted(p.name for p in runs.iterdir() if p.is_dir()) != sorted(run_ids):
+    runs are exactly ``run_ids``, each finished as the runner sees it (RunFolder.finished), and every manifest
+    records ``wall_s``."""
+    results = ResultsFolder(folder)
+    if not results.runs_dir.is_dir() or sorted(run.run_id for run in results.run_folders()) != sorted(run_ids):
         return None
     walls = []
     for run_id in run_ids:
+        run = results.run(run_id)
         try:
-            wall = json.loads((runs / run_id / "manifest.json").read_text(encoding="utf-8")).get("wall_s")
+            wall = run.manifest.get("wall_s") if run.finished() else None
         except (OSError, ValueError):
             return None
         if not isinstance(wall, (int, float)):

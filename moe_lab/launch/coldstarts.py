@@ -14,20 +14,20 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from moe_lab.rl.runlog import read_json
+from moe_lab.rl.run_folder import RunFolder
+from moe_lab.rl.runlog import MANIFEST_FILE
 
 NOTE = "moe-lab: note: "
 
 
 def _first_segment(manifest: dict) -> dict:
-    """The run's first start (moe_lab.rl.loop.provenance): its first segment, else, for a manifest written before
-    segments, its top-level ``coldstart`` and ``machine`` (which a resume on another machine overwrote)."""
-    segments = manifest.get("segments") or ()
-    return segments[0] if segments else manifest
+    """The run's first start (moe_lab.rl.loop.provenance) in a manifest as RunFolder reads it (a manifest written
+    before segments gets one from its top level: run_folder.upgrade_manifest); {} for one without a cold start."""
+    return (manifest.get("segments") or [{}])[0]
 
 
 def began_from(manifest: dict) -> dict:
-    """The cold-start record a run's weights descend from."""
+    """The cold-start record a run's weights descend from (``manifest``: RunFolder.manifest)."""
     return _first_segment(manifest).get("coldstart") or {}
 
 
@@ -44,11 +44,11 @@ def _model(record: dict) -> tuple:
 def coldstart_records(runs_dir: Path) -> dict[str, dict[tuple, list[tuple[str, str]]]]:
     """key -> (steps, accuracy) -> [(run_id, processor)] over every run folder holding a manifest."""
     records: dict = defaultdict(lambda: defaultdict(list))
-    for manifest_path in sorted(Path(runs_dir).glob("*/manifest.json")):
-        manifest = read_json(manifest_path)
-        record = began_from(manifest)
+    for manifest_path in sorted(Path(runs_dir).glob(f"*/{MANIFEST_FILE}")):
+        run = RunFolder(manifest_path.parent)
+        record = began_from(run.manifest)
         if record.get("key"):
-            records[record["key"]][_model(record)].append((manifest_path.parent.name, _processor(manifest)))
+            records[record["key"]][_model(record)].append((run.run_id, _processor(run.manifest)))
     return records
 
 

@@ -2,34 +2,35 @@
 
 A long experiment runs over several sessions, and its analysis is fixed before the first run (docs/findings.md);
 looking at part of its results is what that rule forbids. So this command reads only what the runner
-bookkeeps — each cell's manifest status, its steps done, its wall time and the pid in its `.lock` — and never
+bookkeeps — each cell's state as the runner sees it (moe_lab/rl/run_folder.py: a run counts as finished only when
+its tables hold the rows it committed), its steps done, its wall time and the pid in its `.lock` — and never
 an endpoint: a collapsed run counts as finished like a done one (the collapse rate is the tertiary endpoint),
 and the pace is pooled over all finished runs, never per arm (a collapsed run stops early, so wall time per arm
 would leak it).
 
-Exit codes: 0 every cell finished; 1 some cell has not (not started, running, stopped, interrupted or
-failed); 2 bad input (one line on stderr).
+Exit codes: 0 every cell finished; 1 some cell has not (not started, running, stopped, interrupted,
+failed or unverified); 2 bad input (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_lab.config import ConfigError, dump_yaml, load_yaml
+from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.coldstarts import mixed_notes
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import Cell, expand
-from moe_lab.launch.runner import EXPERIMENT_FILE  # what the runner writes into its --out folder
-from moe_lab.rl.runlog import (FINISHED, LOCK_FILE, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING,
-                               config_state, read_json, run_status)
+from moe_lab.rl.run_folder import CONFLICT, DONE, UNVERIFIED, ResultsFolder, RunFolder, as_results
+from moe_lab.rl.runlog import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 
 
-# the states a cell can be in, in the order they are printed
-STATES = ("finished", "running", "stopped", "interrupted", "failed", "other config", "not started")
+# the states a cell can be in, in the order they are printed: the runner's (run_folder.CELL_STATES) in words, its
+# 'resume' told apart by what the manifest and the .lock say ('unverified': the manifest says finished, but the
+# tables do not hold the rows the run committed, so the runner runs it again)
+STATES = ("finished", "running", "stopped", "interrupted", "failed", UNVERIFIED, "other config", "not started")
 
 
 @dataclass(frozen=True)
@@ -56,58 +57,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _pid_alive(run_dir: Path) -> int | None:
-    """The pid written in the run's .lock if that process is alive (read only: taking the flock to test it
-    would make a starting runner skip the cell as locked)."""
-    try:
-        pid = int((run_dir / LOCK_FILE).read_text(encoding="ascii").strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None
-    return pid
-
-
 def cell_progress(cell: Cell, run_dir: Path, block: object) -> CellProgress:
-    manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
-    status = run_status(manifest) if manifest else None
-    pid = _pid_alive(run_dir) if status == STATUS_RUNNING else None
-    if config_state(run_dir, dump_yaml(cell.config)) == "other":  # the runner refuses it without --overwrite
+    folder = RunFolder(run_dir)
+    runner = folder.cell_state(dump_yaml(cell.config))
+    status = folder.status
+    pid = folder.live_pid() if status == STATUS_RUNNING else None
+    if runner == CONFLICT:  # the runner refuses it without --overwrite
         state = "other config"
-    elif status in FINISHED:
+    elif runner == DONE:
         state = "finished"
     elif status == STATUS_RUNNING:
         state = "running" if pid else "stopped"
     elif status in (STATUS_INTERRUPTED, STATUS_FAILED):
         state = status
+    elif folder.verified_status() == UNVERIFIED:
+        state = UNVERIFIED
     else:
         state = "not started"
-    steps_done = int(manifest.get("steps_done", 0)) if state == "finished" else _steps_logged(run_dir)
+    steps_done = int(folder.manifest.get("steps_done", 0)) if state == "finished" else folder.steps_logged()
     return CellProgress(cell.run_id, cell.arm, block, state, steps_done, cell.config.rl.steps,
-                        float(manifest.get("wall_s", 0.0)), pid)
+                        float(folder.manifest.get("wall_s", 0.0)), pid)
 
 
-def _steps_logged(run_dir: Path) -> int:
-    """RL steps in an unfinished run's metrics table (its manifest counts them only when the run ends). The
-    table is replaced atomically, so a read during a write sees the old or the new one, never half."""
-    import pandas as pd
-
-    path = run_dir / "metrics.parquet"
-    if not path.exists():
-        return 0
-    step = pd.read_parquet(path, columns=["step"])["step"]
-    return int(step.max()) + 1 if len(step) else 0
-
-
-def collect(results: Path) -> tuple[dict, list[CellProgress]]:
+def collect(results: Path | ResultsFolder) -> tuple[dict, list[CellProgress]]:
     """(the experiment, one CellProgress per cell in running order); ConfigError names a bad folder."""
-    path = results / EXPERIMENT_FILE
-    if not path.is_file():
-        raise ConfigError(f"RESULTS_DIR={results}: no {EXPERIMENT_FILE} (not an output folder of `moe-lab run`)")
-    exp = load_yaml(str(path))
+    folder = as_results(results)
+    exp = folder.experiment()
+    if exp is None:
+        raise ConfigError(f"RESULTS_DIR={folder.path}: no {folder.experiment_path.name} (not an output folder of "
+                          "`moe-lab run`)")
     blocks = blocks_spec(exp)
     block_of = {s: v for v, seeds in blocks.seeds.items() for s in seeds} if blocks else {}
     cells = expand(exp)
-    return exp, [cell_progress(c, results / "runs" / c.run_id, block_of.get(c.seed)) for c in cells]
+    return exp, [cell_progress(c, folder.run(c.run_id).path, block_of.get(c.seed)) for c in cells]
 
 
 def time_left(cells: list[CellProgress], jobs: int) -> tuple[float, float] | None:
@@ -151,8 +133,10 @@ def report(results: Path, exp: dict, cells: list[CellProgress], jobs: int | None
     lines.append("finished per arm" + (f" and {blocks.field}" if blocks else "") + ":")
     lines += ["  " + line for line in _grid(cells)]
     for c in cells:
-        if c.state in ("failed", "interrupted", "stopped", "other config"):
+        if c.state in ("failed", "interrupted", "stopped", UNVERIFIED, "other config"):
             why = {"stopped": "no live process holds it: the runner resumes it from its last checkpoint",
+                   UNVERIFIED: "its manifest says finished, but its tables do not hold the rows it committed: "
+                                 "the runner runs it again",
                    "other config": "its folder holds a run of another config: the runner refuses it without "
                                    "--overwrite"}
             lines.append(f"{c.run_id}: {c.state} at step {c.steps_done}/{c.steps}"
@@ -164,7 +148,7 @@ def report(results: Path, exp: dict, cells: list[CellProgress], jobs: int | None
         lines.append(f"pace {per_step:.2f} s per RL step (finished runs, all arms pooled): at most {hours:.1f} h "
                      f"left with {workers} worker(s)")
     if counts["finished"] < len(cells) and not live:
-        lines.append(f"resume: moe-lab run {results / EXPERIMENT_FILE} --out {results}")
+        lines.append(f"resume: moe-lab run {ResultsFolder(results).experiment_path} --out {results}")
     return lines
 
 
@@ -173,9 +157,10 @@ def main(args) -> int:
     try:
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs={args.jobs}: allowed an integer >= 1")
-        exp, cells = collect(results)
+        folder = ResultsFolder(results)
+        exp, cells = collect(folder)
     except ConfigError as exc:
         print(f"moe-lab progress: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print("\n".join(report(results, exp, cells, args.jobs) + mixed_notes(results / "runs")))
+    print("\n".join(report(results, exp, cells, args.jobs) + mixed_notes(folder.runs_dir)))
     return 0 if all(c.state == "finished" for c in cells) else 1

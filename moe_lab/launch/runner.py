@@ -27,11 +27,10 @@ import yaml
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.experiment import Cell, expand
 from moe_lab.launch.coldstarts import warmed_here_notes
-from moe_lab.rl.runlog import (FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock,
-                            atomic_write_text, config_state, read_json, run_status)
+from moe_lab.rl.run_folder import CELL_STATES, CONFLICT, DONE, NEW, RESUME, ResultsFolder, RunFolder
+from moe_lab.rl.runlog import FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock
 
 STATUS_LOCKED = "locked"
-EXPERIMENT_FILE = "experiment.yaml"
 PARENT_POLL_S = 0.5
 
 
@@ -59,52 +58,19 @@ def default_jobs(threads_per_run: int = 1) -> int:
     return max(1, cores // max(threads_per_run, 1))
 
 
-def _verified_done(run_dir: Path) -> bool:
-    """A finished manifest ('done' or 'collapsed') counts only if the tables hold what the run committed: the
-    final checkpoint's rows (verified with their digests), or the row counts of the manifest (a folder trimmed
-    of checkpoint/, or a collapsed run: it stops after its last checkpoint, with more rows than that holds)."""
-    from moe_lab.rl.checkpoint import ResumeError, read_state
-    from moe_lab.rl.runlog import read_rows
-
-    try:
-        committed = read_state(run_dir / "checkpoint") is not None
-    except ResumeError:
-        return False  # resumed: train() refuses with the message naming the file, and the run is not 'done'
-    manifest = read_json(run_dir / "manifest.json")
-    if committed and manifest.get("status") == STATUS_DONE:
-        return True
-    if not (run_dir / "metrics.parquet").exists():
-        return False
-    return all(len(read_rows(run_dir / name)) >= manifest[key]
-               for key, name in (("rows", "metrics.parquet"), ("eval_rows", "eval.parquet")) if key in manifest)
-
-
-def finished_status(run_dir: Path) -> str | None:
-    """'done' or 'collapsed' for a verified finished run (never recomputed), else None."""
-    status = run_status(read_json(run_dir / "manifest.json"))
-    return status if status in FINISHED and _verified_done(run_dir) else None
-
-
-def _cell_state(cell: Cell, run_dir: Path) -> str:
-    """'new', 'done' (finished: done or collapsed), 'resume', or 'conflict' (the folder holds another config)."""
-    state = config_state(run_dir, dump_yaml(cell.config))
-    if state != "same":
-        return "conflict" if state == "other" else "new"
-    return "done" if finished_status(run_dir) else "resume"
-
-
 def plan(cells: list[Cell], runs_dir: Path, *, overwrite: bool) -> dict[str, list[Cell]]:
-    """Sort cells by what must happen to them; refuse to overwrite silently."""
-    groups: dict[str, list[Cell]] = {"new": [], "done": [], "resume": [], "conflict": []}
+    """Sort cells by what must happen to them (RunFolder.cell_state: new, done, resume, conflict); refuse to
+    overwrite silently."""
+    groups: dict[str, list[Cell]] = {state: [] for state in CELL_STATES}
     for c in cells:
-        groups[_cell_state(c, runs_dir / c.run_id)].append(c)
-    if groups["conflict"] and not overwrite:
-        names = ", ".join(c.run_id for c in groups["conflict"][:5])
+        groups[RunFolder(runs_dir / c.run_id).cell_state(dump_yaml(c.config))].append(c)
+    if groups[CONFLICT] and not overwrite:
+        names = ", ".join(c.run_id for c in groups[CONFLICT][:5])
         raise ConfigError(f"--out: {runs_dir} already holds runs with a different config ({names}); "
                           f"choose another --out or pass --overwrite to replace them")
-    for c in groups["conflict"]:
+    for c in groups[CONFLICT]:
         shutil.rmtree(runs_dir / c.run_id)
-    groups["new"] += groups.pop("conflict")
+    groups[NEW] += groups.pop(CONFLICT)
     return groups
 
 
@@ -138,9 +104,9 @@ def train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
         return cell.run_id, f"{STATUS_LOCKED}: {exc}"
     with lock:
         # The other runner may have finished this cell between our plan and our lock.
-        finished = finished_status(run_dir)
-        if finished and config_state(run_dir, dump_yaml(cell.config)) == "same":
-            return cell.run_id, finished
+        folder = RunFolder(run_dir)
+        if folder.cell_state(dump_yaml(cell.config)) == DONE:
+            return cell.run_id, folder.finished()
         try:
             return cell.run_id, train(cell.config, run_dir, run_id=cell.run_id, arm=cell.arm)
         except Exception as exc:  # one broken cell must not take the batch down: record it and go on
@@ -218,10 +184,10 @@ def _mark_interrupted(cells: list[Cell], runs_dir: Path) -> list[str]:
     for c in cells:
         run_dir = runs_dir / c.run_id
         try:
-            manifest = read_json(run_dir / "manifest.json")
+            manifest = RunFolder(run_dir).manifest
         except ValueError:
             continue
-        if not manifest or run_status(manifest) in (*FINISHED, STATUS_FAILED):
+        if not manifest or manifest.get("status") in (*FINISHED, STATUS_FAILED):
             continue
         try:
             lock = RunLock(run_dir).acquire()
@@ -244,7 +210,7 @@ def _bar(it, desc: str, progress: bool, total: int | None = None):
 
 def _reason(run_dir: Path) -> str:
     try:
-        return str(read_json(run_dir / "manifest.json").get("reason", ""))
+        return str(RunFolder(run_dir).manifest.get("reason", ""))
     except ValueError as exc:
         return str(exc)
 
@@ -271,12 +237,9 @@ def _experiment_id(exp: dict) -> str:
 
 def check_same_experiment(exp: dict, out: Path, *, overwrite: bool) -> bool:
     """True when out holds another experiment and --overwrite replaces its runs; refuses without it."""
-    path = Path(out) / EXPERIMENT_FILE
-    if not path.exists():
+    old = ResultsFolder(out).experiment()
+    if old is None:
         return False
-    from moe_lab.config import load_yaml
-
-    old = load_yaml(str(path))
     if _experiment_id(old) == _experiment_id(exp):
         return False
     if not overwrite:
@@ -344,21 +307,21 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     quiet_transformers()
     _preflight(cells)
     out = Path(out)
-    runs_dir = out / "runs"
+    results = ResultsFolder(out)
+    runs_dir = results.runs_dir
     check_out_dir(out)
     replace_other = check_same_experiment(exp, out, overwrite=overwrite)
     groups = plan(cells, runs_dir, overwrite=overwrite) if not replace_other else {
-        "new": list(cells), "done": [], "resume": []}
+        NEW: list(cells), DONE: [], RESUME: []}
     if replace_other:
         shutil.rmtree(runs_dir, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / EXPERIMENT_FILE, yaml.safe_dump(exp, sort_keys=False))
-    todo = seed_major(groups["resume"] + groups["new"])
+    results.write_experiment(exp)
+    todo = seed_major(groups[RESUME] + groups[NEW])
     jobs = jobs or default_jobs(max(c.config.threads for c in cells))
     where = f"{jobs} worker(s)" if backend is None else backend.describe()
-    echo(f"{len(cells)} runs: {len(groups['done'])} done, {len(groups['resume'])} to resume, "
-         f"{len(groups['new'])} new; {where} -> {out}")
-    statuses = {c.run_id: finished_status(runs_dir / c.run_id) or STATUS_DONE for c in groups["done"]}
+    echo(f"{len(cells)} runs: {len(groups[DONE])} done, {len(groups[RESUME])} to resume, "
+         f"{len(groups[NEW])} new; {where} -> {out}")
+    statuses = {c.run_id: RunFolder(runs_dir / c.run_id).finished() or STATUS_DONE for c in groups[DONE]}
     if todo:
         statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress, echo))
     for run_id, status in statuses.items():

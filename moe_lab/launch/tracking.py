@@ -21,13 +21,14 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from moe_lab.config import ConfigError, upgrade_run_config
+from moe_lab.config import ConfigError
+from moe_lab.rl.run_folder import RunFolder
+from moe_lab.rl.runlog import EVAL_FILE, METRICS_FILE
 
 ID_COLUMNS = ("step", "minibatch", "update", "seed")
 # table file -> the column that steps its scalars
-TABLES = {"metrics.parquet": "update", "eval.parquet": "step"}
+TABLES = {METRICS_FILE: "update", EVAL_FILE: "step"}
 # wandb: the key each table's x is logged under; the evals' apart from `step`, which wandb reserves
 WANDB_STEP_KEYS = {"update": "update", "step": "eval_step"}
 
@@ -86,8 +87,8 @@ def _mirror_tensorboard(run_dir: Path, logdir: Path, tables: dict, group: str | 
 
 
 def _run_config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
-    return upgrade_run_config(yaml.safe_load(path.read_text(encoding="utf-8"))) if path.exists() else {}
+    run = RunFolder(run_dir)
+    return run.config() if run.config_path.exists() else {}
 
 
 def _mirror_wandb(run_dir: Path, logdir: Path, tables: dict, group: str | None) -> int:

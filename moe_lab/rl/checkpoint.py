@@ -26,12 +26,13 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from moe_lab.rl.runlog import atomic_write_bytes, atomic_write_text, fsync_path, read_rows, rows_digest
+from moe_lab.rl.runlog import (EVAL_FILE, METRICS_FILE, atomic_write_bytes, atomic_write_text, fsync_path, read_rows,
+                               rows_digest)
 
 MARKER = "state.json"
 SNAPSHOTS = "lagged.safetensors"
 # state key -> the table file (in the run folder, the checkpoint's parent) whose first rows it counts
-TABLES = {"rows": "metrics.parquet", "eval_rows": "eval.parquet"}
+TABLES = {"rows": METRICS_FILE, "eval_rows": EVAL_FILE}
 
 
 class ResumeError(ValueError):

@@ -45,7 +45,7 @@ from moe_lab.rl import checkpoint
 from moe_lab.rl.dp_split import check_data_parallel, combine_metrics, rank_groups
 from moe_lab.rl.groups import group_minibatch_indices
 from moe_lab.rl.loop import TrainState, train
-from moe_lab.rl.runlog import FINISHED
+from moe_lab.rl.runlog import CHECKPOINT_DIR, FINISHED
 from moe_lab.rl.collect import collect
 
 # ----------------------------------------------------------------------------- the split of a process group
@@ -181,7 +181,7 @@ def _on_rank0_first(fn):
 
 
 def _resume_state(run_dir: Path, policy, optimizer, world: int) -> TrainState:
-    state = checkpoint.load(run_dir / "checkpoint", policy, optimizer)
+    state = checkpoint.load(run_dir / CHECKPOINT_DIR, policy, optimizer)
     if state is None:
         return TrainState(extra={"world_size": world})
     saved = state.get("world_size")

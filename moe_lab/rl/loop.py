@@ -30,8 +30,9 @@ from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
-from moe_lab.rl.runlog import (STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog, atomic_write_text, config_state,
-                               machine_info, read_json)
+from moe_lab.rl.run_folder import RunFolder, first_segments
+from moe_lab.rl.runlog import (CHECKPOINT_DIR, CONFIG_FILE, STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog,
+                               atomic_write_text, config_state, machine_info)
 from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
 from moe_lab.routing import predictor
 from moe_lab.tasks import get_task, load_tokenizer
@@ -135,7 +136,7 @@ def _claim(run_dir: Path, config_text: str) -> None:
         raise ConfigError(f"run folder {run_dir} holds a run of a different config; resuming it would mix two "
                           "configs in one table: remove the folder or choose another")
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", config_text)
+    atomic_write_text(run_dir / CONFIG_FILE, config_text)
 
 
 def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
@@ -183,7 +184,7 @@ class PlainRun(SingleProcess):
         return setup()
 
     def resume_state(self, run_dir: Path, policy, optimizer) -> TrainState:
-        return TrainState.from_dict(checkpoint.load(run_dir / "checkpoint", policy, optimizer))
+        return TrainState.from_dict(checkpoint.load(run_dir / CHECKPOINT_DIR, policy, optimizer))
 
     def broadcast(self, obj):
         """The writer's object on every process."""
@@ -212,13 +213,13 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     # setup: loading or warming up the model may draw numbers
     torch.manual_seed(seeds.run_seed(cfg.seed))
     state = split.resume_state(run_dir, policy, optimizer)
-    lagged = collections.deque(checkpoint.load_snapshots(run_dir / "checkpoint", policy.device))
+    lagged = collections.deque(checkpoint.load_snapshots(run_dir / CHECKPOINT_DIR, policy.device))
     if log:
         log.load(state.rows, state.eval_rows)
     # the health after the logged rows (only the writer holds them); from then on every process advances it
     # on the same global rows, so that all stop at the same step
     run_health = split.broadcast(_health(cfg, log) if log else None)
-    extra = {**split.manifest_extra(), **provenance(read_json(log.manifest_path) if log else {}, cfg, state.step)}
+    extra = {**split.manifest_extra(), **provenance(RunFolder(run_dir).manifest if log else {}, cfg, state.step)}
     extra["machine"] = extra["segments"][-1]["machine"]  # this start's, as the last segment records it
     if log:
         log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, **run_health.manifest())
@@ -242,14 +243,11 @@ def provenance(prior: dict, cfg: RunConfig, step: int) -> dict:
     ``coldstart`` stays the first segment's record, and each (re)start appends its step, machine and cache entry
     to ``segments``: a run finished elsewhere says so (with ``rl.kl_coef`` > 0 its reference model after the
     resume is the later segment's cold start). A manifest written before segments existed gives the
-    first segment what it recorded (its last start and machine)."""
+    first segment what it recorded (its last start and machine: run_folder.first_segments)."""
     here = {"from_step": step, "machine": machine_info(), "coldstart": recorded(cfg)}
     if step == 0:  # a run (re)started from scratch: nothing before it survives
         return {"coldstart": here["coldstart"], "segments": [here]}
-    segments = list(prior.get("segments") or ())
-    if not segments and "coldstart" in prior:
-        segments = [{"from_step": prior.get("resumed_from_step"), "machine": prior.get("machine"),
-                     "coldstart": prior["coldstart"]}]
+    segments = first_segments(prior)
     segments.append(here)
     return {"coldstart": segments[0]["coldstart"], "segments": segments}
 
@@ -283,7 +281,7 @@ def _loop(cfg, task, models, log: RunLog | None, state: TrainState, run_dir: Pat
                 if state.step == cfg.rl.steps:
                     log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
                 state.rows, state.eval_rows = log.flush()
-                checkpoint.save(run_dir / "checkpoint", policy, optimizer, state.to_dict(), snapshots=list(lagged))
+                checkpoint.save(run_dir / CHECKPOINT_DIR, policy, optimizer, state.to_dict(), snapshots=list(lagged))
             split.barrier()  # no process runs ahead of a checkpoint it might have to resume from
     return ""
 

@@ -45,10 +45,9 @@ STATUS_DONE, STATUS_RUNNING, STATUS_FAILED, STATUS_INTERRUPTED = "done", "runnin
 # A run a collapse rule of moe_lab/rl/health.py stopped: final like 'done' (never recomputed, counted as finished).
 STATUS_COLLAPSED = "collapsed"
 FINISHED = (STATUS_DONE, STATUS_COLLAPSED)
-# The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed
-# (status 'failed', no traceback) is told apart from a run that failed on an error.
-STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
-LOCK_FILE = ".lock"
+# the files of a run folder (the layout above): every reader takes them from here (rl/run_folder.py)
+CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
+CHECKPOINT_DIR, LOCK_FILE = "checkpoint", ".lock"
 
 
 def _umask() -> int:
@@ -229,16 +228,6 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def run_status(manifest: dict) -> str | None:
-    """The manifest's status, with the back-compat rule: a 'failed' manifest that a collapse rule wrote (it
-    names the rule, holds a stop reason and no traceback; every run before 'collapsed' existed) is 'collapsed'."""
-    status = manifest.get("status")
-    if (status == STATUS_FAILED and manifest.get("collapse_rule") and "traceback" not in manifest
-            and str(manifest.get("reason", "")).startswith(STOP_REASON_PREFIXES)):
-        return STATUS_COLLAPSED
-    return status
-
-
 def machine_info() -> dict[str, Any]:
     """What decides a CPU run's floating-point results besides the code: the kernels torch dispatches to
     (cpu_capability), the BLAS it was built with, the intra-op thread count, the env vars that pin them, and
@@ -260,7 +249,7 @@ def config_state(run_dir: Path, config_text: str) -> str:
     (``upgrade_run_config``: their defaults, or the legacy value of a field whose default changed results) and
     compared again, so adding a field does not turn every finished run, committed references included, into a
     conflict, and a run of the old behaviour is never taken for one of the new."""
-    path = Path(run_dir) / "config.yaml"
+    path = Path(run_dir) / CONFIG_FILE
     if not path.exists():
         return "new"
     if path.read_text(encoding="utf-8") == config_text:
@@ -284,12 +273,12 @@ class RunLog:
 
     @property
     def manifest_path(self) -> Path:
-        return self.dir / "manifest.json"
+        return self.dir / MANIFEST_FILE
 
     def load(self, n_rows: int, n_eval: int) -> None:
         """Resume: keep exactly the rows the last checkpoint committed (none lost, none duplicated)."""
-        self.rows = read_rows(self.dir / "metrics.parquet")[:n_rows]
-        self.eval_rows = read_rows(self.dir / "eval.parquet")[:n_eval]
+        self.rows = read_rows(self.dir / METRICS_FILE)[:n_rows]
+        self.eval_rows = read_rows(self.dir / EVAL_FILE)[:n_eval]
 
     def add(self, row: dict) -> None:
         self.rows.append({**self.info, **row})
@@ -298,8 +287,8 @@ class RunLog:
         self.eval_rows.append({**self.info, **row})
 
     def flush(self) -> tuple[int, int]:
-        atomic_write_parquet(self.dir / "metrics.parquet", self.rows)
-        atomic_write_parquet(self.dir / "eval.parquet", self.eval_rows)
+        atomic_write_parquet(self.dir / METRICS_FILE, self.rows)
+        atomic_write_parquet(self.dir / EVAL_FILE, self.eval_rows)
         return len(self.rows), len(self.eval_rows)
 
     def write_manifest(self, status: str, reason: str = "", **extra: Any) -> None:

@@ -1,0 +1,231 @@
+"""The one reader of what the runner and ``runlog`` leave on disk: a results folder and its run folders.
+
+Layout (file names declared once, in ``runlog``, the writer, and here for the results folder)::
+
+    <results>/experiment.yaml            the experiment as the runner ran it (``ResultsFolder.experiment``)
+    <results>/runs/<run_id>/             one ``RunFolder`` per cell: config.yaml, manifest.json, metrics.parquet,
+                                         eval.parquet, checkpoint/, .lock (see ``runlog``)
+
+A manifest is read once per ``RunFolder`` and through one upgrade of older layouts (``upgrade_manifest``), and a
+cell's state has one vocabulary, the runner's: ``new`` (no config yet), ``done`` (finished, done or collapsed, and
+its tables hold what it committed), ``resume`` (anything else the runner would run on from its checkpoint) or
+``conflict`` (the folder holds another config). `moe-lab run`, `progress`, `compare`, `verify` and `list` all
+ask ``RunFolder.cell_state`` / ``RunFolder.finished``, so none of them calls finished a run the runner resumes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from moe_lab.config import load_yaml
+from moe_lab.rl.runlog import (CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, FINISHED, LOCK_FILE, MANIFEST_FILE,
+                               METRICS_FILE, STATUS_COLLAPSED, STATUS_DONE, STATUS_FAILED, atomic_write_text,
+                               config_state, read_json)
+
+EXPERIMENT_FILE = "experiment.yaml"
+RUNS_DIR = "runs"
+# the runner's cell states
+NEW, DONE, RESUME, CONFLICT = "new", "done", "resume", "conflict"
+CELL_STATES = (NEW, DONE, RESUME, CONFLICT)
+# what a reader shows for a manifest that says finished while its tables do not hold the rows the run committed (the
+# runner resumes it): never written into a manifest
+UNVERIFIED = "unverified"
+# The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed
+# (status 'failed', no traceback) is told apart from a run that failed on an error.
+STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
+
+
+def run_status(manifest: dict) -> str | None:
+    """The manifest's status, reading a 'failed' manifest that a collapse rule wrote (it names the rule, holds a
+    stop reason and no traceback: every run before 'collapsed' existed) as 'collapsed'."""
+    status = manifest.get("status")
+    if (status == STATUS_FAILED and manifest.get("collapse_rule") and "traceback" not in manifest
+            and str(manifest.get("reason", "")).startswith(STOP_REASON_PREFIXES)):
+        return STATUS_COLLAPSED
+    return status
+
+
+def first_segments(manifest: dict) -> list[dict]:
+    """The manifest's ``segments`` (moe_lab.rl.loop.provenance); for a manifest written before segments existed,
+    one segment of what it recorded at top level (its last start's step, machine and cold start), or none when it
+    recorded no cold start."""
+    segments = manifest.get("segments") or ()
+    if not segments and "coldstart" in manifest:
+        segments = [{"from_step": manifest.get("resumed_from_step"), "machine": manifest.get("machine"),
+                     "coldstart": manifest["coldstart"]}]
+    return list(segments)
+
+
+def upgrade_manifest(raw: dict) -> dict:
+    """A manifest of any layout in today's: the status as ``run_status`` reads it and ``segments`` as
+    ``first_segments`` gives them (absent when there are none). The raw manifest is not changed."""
+    manifest = dict(raw)
+    if "status" in raw:
+        manifest["status"] = run_status(raw)
+    segments = first_segments(raw)
+    if segments:
+        manifest["segments"] = segments
+    return manifest
+
+
+def _table_rows(path: Path) -> int:
+    """Rows of a parquet table from its footer (0 for a missing file): what a row count needs, no column read."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows if path.exists() else 0
+
+
+class RunFolder:
+    """One run folder; its manifest read on first use (upgraded), then kept."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.path)!r})"
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST_FILE
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def eval_path(self) -> Path:
+        return self.path / EVAL_FILE
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / LOCK_FILE
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+    @functools.cached_property
+    def manifest(self) -> dict:
+        """The manifest in today's layout ({} without one); a ValueError naming the file for a broken one."""
+        return upgrade_manifest(read_json(self.manifest_path))
+
+    @property
+    def status(self) -> str | None:
+        return self.manifest.get("status")
+
+    def config(self, upgraded: bool = True) -> dict:
+        """config.yaml as a mapping, read like any old config (config_legacy) unless ``upgraded`` is False."""
+        from moe_lab.config import upgrade_run_config
+
+        data = load_yaml(str(self.config_path))
+        return upgrade_run_config(data) if upgraded else data
+
+    def finished(self) -> str | None:
+        """'done' or 'collapsed' for a finished run whose tables hold what it committed (never recomputed), else
+        None: the runner resumes it."""
+        return self.status if self.status in FINISHED and self._tables_committed() else None
+
+    def verified_status(self) -> str | None:
+        """The manifest's status, UNVERIFIED in place of a finished one that ``finished`` does not confirm."""
+        return UNVERIFIED if self.status in FINISHED and not self.finished() else self.status
+
+    def _tables_committed(self) -> bool:
+        """The final checkpoint's rows, verified with their digests, or the row counts of the manifest (a folder
+        trimmed of checkpoint/, or a collapsed run: it stops after its last checkpoint, with more rows than that)."""
+        from moe_lab.rl.checkpoint import TABLES, ResumeError, read_state
+
+        try:
+            committed = read_state(self.checkpoint_dir) is not None
+        except ResumeError:
+            return False  # resumed: train() refuses with the message naming the file, and the run is not 'done'
+        if committed and self.status == STATUS_DONE:
+            return True
+        if not self.metrics_path.exists():
+            return False
+        return all(_table_rows(self.path / name) >= self.manifest[key] for key, name in TABLES.items()
+                   if key in self.manifest)
+
+    def cell_state(self, config_text: str) -> str:
+        """The runner's state of this folder for a cell of config ``config_text`` (one of CELL_STATES)."""
+        state = config_state(self.path, config_text)
+        if state != "same":
+            return CONFLICT if state == "other" else NEW
+        return DONE if self.finished() else RESUME
+
+    def live_pid(self) -> int | None:
+        """The pid written in .lock if that process is alive (read only: taking the flock to test it would make a
+        starting runner skip the cell as locked)."""
+        try:
+            pid = int(self.lock_path.read_text(encoding="ascii").strip())
+            os.kill(pid, 0)
+        except (OSError, ValueError):
+            return None
+        return pid
+
+    def steps_logged(self) -> int:
+        """RL steps in the metrics table (a manifest counts them only when the run ends). The table is replaced
+        atomically, so a read during a write sees the old or the new one, never half."""
+        import pandas as pd
+
+        if not self.metrics_path.exists():
+            return 0
+        step = pd.read_parquet(self.metrics_path, columns=["step"])["step"]
+        return int(step.max()) + 1 if len(step) else 0
+
+
+class ResultsFolder:
+    """The --out folder of `moe-lab run`: experiment.yaml and runs/; the experiment read on first use, then kept."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"ResultsFolder({str(self.path)!r})"
+
+    @property
+    def experiment_path(self) -> Path:
+        return self.path / EXPERIMENT_FILE
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.path / RUNS_DIR
+
+    @functools.cached_property
+    def _experiment(self) -> dict | None:
+        return load_yaml(str(self.experiment_path)) if self.experiment_path.is_file() else None
+
+    def experiment(self) -> dict | None:
+        """The experiment the runner wrote (None without the file; a ConfigError naming it when unreadable)."""
+        return self._experiment
+
+    def write_experiment(self, exp: dict) -> None:
+        import yaml
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.experiment_path, yaml.safe_dump(exp, sort_keys=False))
+        self.__dict__.pop("_experiment", None)  # the next reading is of the file as written
+
+    def run(self, run_id: str) -> RunFolder:
+        return RunFolder(self.runs_dir / run_id)
+
+    def run_folders(self, with_manifest: bool = False) -> list[RunFolder]:
+        """Every folder under runs/ in name order (only those holding a manifest with ``with_manifest``)."""
+        if not self.runs_dir.is_dir():
+            return []
+        found = sorted(p for p in self.runs_dir.iterdir() if p.is_dir())
+        return [RunFolder(p) for p in found if not with_manifest or (p / MANIFEST_FILE).is_file()]
+
+
+def as_results(folder: str | Path | ResultsFolder) -> ResultsFolder:
+    """A ResultsFolder for a path (the same object for one): callers that share one read the experiment once."""
+    return folder if isinstance(folder, ResultsFolder) else ResultsFolder(folder)
