@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -25,8 +24,8 @@ from scipy import stats
 from moe_lab.analysis.endpoints import format_p, load_comparison, permutation_p
 from moe_lab.analysis.replay_map import welch_diff_ci
 from moe_lab.analysis.stats import block_cells, block_diffs, cold_start_level, conditional, holm, tost_p
-from moe_lab.config import load_yaml
 from moe_lab.launch.design import Contrast, contrasts_spec
+from moe_lab.rl.run_folder import as_results
 
 
 # --------------------------------------------------------------------------- the declared contrasts
@@ -72,12 +71,12 @@ def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], col
     return table
 
 
-def load_declared(results: str, column: str = "primary", per_run: pd.DataFrame | None = None) -> pd.DataFrame:
+def load_declared(results, column: str = "primary", per_run: pd.DataFrame | None = None) -> pd.DataFrame:
     """The declared contrasts of a results folder (its experiment.yaml's ``contrasts:``), on ``column``; an
     empty frame when the file declares none. ``per_run``: the folder's endpoints when the caller has them
     (``load_comparison``), so the runs are not read twice."""
-    exp_file = Path(results) / "experiment.yaml"
-    contrasts = contrasts_spec(load_yaml(str(exp_file))) if exp_file.is_file() else []
+    exp = as_results(results).experiment()
+    contrasts = contrasts_spec(exp) if exp else []
     if not contrasts:
         return pd.DataFrame()
     if per_run is None:

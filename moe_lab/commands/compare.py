@@ -43,7 +43,7 @@ def main(args) -> int:
     for line in mixed_notes(folder.runs_dir):  # a block mixing two models of one cold-start key
         print(line, file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
-    declared = load_declared(args.results, per_run=per_run)
+    declared = load_declared(folder, per_run=per_run)
     if len(declared) and not args.csv:  # the contrasts the experiment file fixed before its runs
         print("\n" + format_declared(declared))
     return 0
