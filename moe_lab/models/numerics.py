@@ -30,11 +30,11 @@ count M (``split_k_chunks``; for an expert, M = the tokens the batch routes to i
 is rounded to the rollout's output dtype (bf16 under float8 and for a bf16 copy, fp32 for an fp32 copy) before the
 partials are summed in fp32 and the sum rounded once more, as a split-K kernel that writes its partials in bf16
 (or adds them with bf16 atomics) does. Why rounded partials: summing fp32 partials in another order moves a
-result by ~1e-7 relative, which a bf16 output rounding hides in all but a few elements (measured: a float8 +
-batch_variant rollout gave the same mismatch table as float8); with bf16 partials a sequence's GEMM outputs move
-by up to about a bf16 ulp when its batch (M) changes, so the same sequence gets other bits in another batch at
-moe_lab's sizes, as the engines' batch dependence gives at full size. This is the strong end of that dependence
-(an engine whose split-K reduce is fp32 moves fewer elements). The MoE combine sums the k weighted expert
+result by ~1e-7 relative, which a bf16 output rounding hides in all but a few elements; with bf16 partials a
+sequence's GEMM outputs move by up to about a bf16 ulp when its batch (M) changes, the size of the batch
+dependence an engine's bf16 outputs carry. This is the strong end of that dependence (an engine whose split-K
+reduce is fp32 moves fewer elements); even so it moved the mismatch table by less than its step-to-step spread
+(docs/findings.md, issue 42's calibration). The MoE combine sums the k weighted expert
 outputs starting from slot M mod k; floating-point addition commutes, so at k = 2 the combine order cannot
 change a bit: there the batch dependence comes from the split-K GEMMs alone.
 """
