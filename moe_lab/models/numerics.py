@@ -14,17 +14,29 @@ gate-like linears (``*_gate``, e.g. Qwen2-MoE's shared_expert_gate), embeddings,
 stacks also leave unquantised. Blocks: DeepSeek-V3 uses 128 x 128 weight blocks and 1 x 128 activation tiles on
 widths of 7168; moe_lab's models are 32-256 wide, where a 128 block would be one scale per matrix, so blocks here
 are ``BLOCK`` = 32 (32 x 32 weights, 1 x 32 activation tiles): a few scales per row, as at full size.
+Outputs: real FP8 GEMMs (DeepGEMM, vLLM/SGLang's w8a8 block-scaled kernels) accumulate in fp32 and write their
+output in bf16, so every emulated GEMM's output, and the MoE combine's (the fused-MoE kernel's output), is rounded
+to bf16 (``OUT_DTYPE``) before the fp32 copy carries on: the rollout sees that rounding as a real FP8 engine does.
+The residual stream, attention softmax and norms stay fp32 (a real engine runs them in bf16: this emulation
+adds less noise there than it has).
 
 batch_invariant (the default): with float8 the emulated GEMMs take every row through the same one-row kernel
 (``row_gemm``), so a sequence's bits do not depend on its batch; a float32 or bfloat16 rollout keeps the platform's
 kernels untouched (today's bits), which on CPU are NOT batch-invariant: MKL's GEMM bits depend on the row count.
 
 batch_variant: the reductions depend on the batch, as in an engine whose kernels are not batch-invariant (vLLM
-#57016, Megatron-LM #7562). Every quantised GEMM becomes a split-K matmul whose number of K chunks follows its row
-count M (``split_k_chunks``; for an expert, M = the tokens the batch routes to it), the chunks' partial products
-summed in fp32 from the first; and the MoE combine sums the k weighted expert outputs starting from slot
-M mod k. Floating-point addition commutes, so at k = 2 the combine order cannot change a bit: there the batch
-dependence comes from the split-K GEMMs alone.
+#57016, Megatron-LM #7562). Every emulated GEMM becomes a split-K matmul whose number of K chunks follows its row
+count M (``split_k_chunks``; for an expert, M = the tokens the batch routes to it). Each chunk's partial product
+is rounded to the rollout's output dtype (bf16 under float8 and for a bf16 copy, fp32 for an fp32 copy) before the
+partials are summed in fp32 and the sum rounded once more, as a split-K kernel that writes its partials in bf16
+(or adds them with bf16 atomics) does. Why rounded partials: summing fp32 partials in another order moves a
+result by ~1e-7 relative, which a bf16 output rounding hides in all but a few elements; with bf16 partials a
+sequence's GEMM outputs move by up to about a bf16 ulp when its batch (M) changes, the size of the batch
+dependence an engine's bf16 outputs carry. This is the strong end of that dependence (an engine whose split-K
+reduce is fp32 moves fewer elements); even so it moved the mismatch table by less than its step-to-step spread
+(docs/findings.md, issue 42's calibration). The MoE combine sums the k weighted expert
+outputs starting from slot M mod k; floating-point addition commutes, so at k = 2 the combine order cannot
+change a bit: there the batch dependence comes from the split-K GEMMs alone.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from torch import nn
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 32  # weight blocks BLOCK x BLOCK, activation tiles 1 x BLOCK (see the module docstring)
+OUT_DTYPE = torch.bfloat16  # what an FP8 GEMM writes (fp32 accumulation, bf16 output)
 
 
 def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int = BLOCK) -> torch.Tensor:
@@ -105,8 +118,15 @@ class RolloutNumerics:
             cache[id(w)] = hit
         return hit[1]
 
+    def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype an emulated GEMM writes (its partials under batch_variant included): bf16 under float8, else
+        the copy's own dtype."""
+        return OUT_DTYPE if self.float8 else dtype
+
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ w[N, K]^T with activations quantised (float8) and K split by the rows (batch_variant)."""
+        """x [..., K] @ w[N, K]^T with activations quantised (float8) and K split by the rows (batch_variant), each
+        partial and the sum written in ``out_dtype`` (module docstring), returned in x's dtype."""
+        out = self.out_dtype(x.dtype)
         if self.float8:
             x = quant_act(x)
         x_RK = x.reshape(-1, x.shape[-1])
@@ -114,9 +134,9 @@ class RolloutNumerics:
         chunks = split_k_chunks(rows, k) if self.batch_variant else 1
         acc = None
         for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
-            y = row_gemm(xc, wc).float() if chunks > 1 else row_gemm(xc, wc)
+            y = row_gemm(xc, wc).to(out).float()  # the partial as the kernel writes it, summed in fp32
             acc = y if acc is None else acc + y
-        return acc.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        return acc.to(out).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def row_gemm(x_RK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
@@ -158,5 +178,5 @@ def _experts_forward(numerics: RolloutNumerics, cache: dict):
         total = out_NKH[:, first]
         for j in range(1, K):
             total = total + out_NKH[:, (first + j) % K]
-        return total
+        return total.to(numerics.out_dtype(total.dtype)).to(total.dtype)  # the fused-MoE kernel's output
     return forward
