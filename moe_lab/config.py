@@ -210,7 +210,7 @@ class RLConfig:
     rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
                                           "rollout-vs-train mismatch; float8: fp32 copy whose non-router linears "
                                           "and experts run e4m3 fake-quantised weights and activations with "
-                                          "blockwise scales (moe_lab/models/numerics.py)", choices=C.ROLLOUT_DTYPES)
+                                          "blockwise scales, GEMM outputs in bf16 (moe_lab/models/numerics.py)", choices=C.ROLLOUT_DTYPES)
     rollout_kernels: str = param("batch_invariant", "reductions of the rollout copy: batch_invariant = the "
                                                     "platform's kernels; batch_variant = split-K GEMMs and an MoE "
                                                     "combine order that follow the batch, so a sequence gets other "
