@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from moe_lab.analysis.endpoints import (EndpointSpec, compare_arms, eval_schedule, permutation_p, run_endpoints,
+from moe_lab.analysis import stats as lab_stats
+from moe_lab.analysis.stats import permutation_p
+from moe_lab.analysis.endpoints import (EndpointSpec, compare_arms, eval_schedule, run_endpoints,
                                         unfinished_runs)
 from moe_lab.cli import main
 from moe_lab.config import ConfigError
@@ -162,7 +164,7 @@ def test_a_monte_carlo_permutation_p_is_never_zero_and_ignores_which_arm_comes_f
     # 30 vs 30: past the exact limit, and every split drawn is less extreme than the observed one
     low, high = np.arange(30.0), np.arange(30.0) + 100
     p, exact = permutation_p(low, high)
-    assert not exact and p == 1 / (endpoints.MC_SAMPLES + 1)
+    assert not exact and p == 1 / (lab_stats.MC_SAMPLES + 1)
     rng = np.random.default_rng(7)
     a, b = rng.normal(0, 1, 30), rng.normal(0.5, 1, 31)
     assert permutation_p(a, b) == permutation_p(b, a)
@@ -174,14 +176,14 @@ def test_the_monte_carlo_p_estimates_the_exact_one(monkeypatch):
     rng = np.random.default_rng(11)
     a, b = rng.normal(0, 1, 9), rng.normal(0.8, 1, 8)  # 24,310 splits: enumerable, and small enough to sample
     exact_p, exact = permutation_p(a, b)
-    monkeypatch.setattr(endpoints, "EXACT_LIMIT", 100)
+    monkeypatch.setattr(lab_stats, "EXACT_LIMIT", 100)
     mc_p, mc_exact = permutation_p(a, b)
     assert exact and not mc_exact
-    assert abs(mc_p - exact_p) < 5 * math.sqrt(exact_p * (1 - exact_p) / endpoints.MC_SAMPLES) + 1e-5
+    assert abs(mc_p - exact_p) < 5 * math.sqrt(exact_p * (1 - exact_p) / lab_stats.MC_SAMPLES) + 1e-5
 
 
 def test_a_p_value_below_a_thousandth_keeps_its_digits():
-    from moe_lab.analysis.endpoints import format_p, permutation_p
+    from moe_lab.analysis.endpoints import format_p
 
     p, exact = permutation_p(np.arange(10.0), np.arange(10.0) + 100)  # every seed of one arm above the other's
     assert exact and p == pytest.approx(2 / math.comb(20, 10))

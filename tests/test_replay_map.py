@@ -11,6 +11,7 @@ import pytest
 from moe_lab.analysis import figures
 from moe_lab.analysis import replay_map
 from moe_lab.analysis import replay_plots
+from moe_lab.analysis import stats as lab_stats
 
 
 def _frames(cells: dict[str, tuple[list[float], list[float]]], steps: int = 3):
@@ -40,7 +41,7 @@ CELLS = {"grpo__base": ([0.50, 0.60, 0.55], [0.10, 0.20, 0.00]),
 def test_welch_interval_matches_scipy():
     stats = pytest.importorskip("scipy.stats")
     a, b = [0.60, 0.65, 0.62, 0.58], [0.10, 0.20, 0.00]
-    diff, lo, hi = replay_map.welch_diff_ci(a, b)
+    diff, lo, hi = lab_stats.welch_diff_ci(a, b)
     test = stats.ttest_ind(a, b, equal_var=False)
     assert diff == pytest.approx(np.mean(a) - np.mean(b), abs=1e-12)
     se = math.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b))
@@ -52,10 +53,10 @@ def test_welch_interval_matches_scipy():
 
 def test_welch_interval_is_antisymmetric_and_nan_without_spread():
     a, b = [0.1, 0.4, 0.3], [0.5, 0.9]
-    d1, lo1, hi1 = replay_map.welch_diff_ci(a, b)
-    d2, lo2, hi2 = replay_map.welch_diff_ci(b, a)
+    d1, lo1, hi1 = lab_stats.welch_diff_ci(a, b)
+    d2, lo2, hi2 = lab_stats.welch_diff_ci(b, a)
     assert (d1, lo1, hi1) == pytest.approx((-d2, -hi2, -lo2))
-    assert math.isnan(replay_map.welch_diff_ci([0.3], [0.1, 0.2])[1])
+    assert math.isnan(lab_stats.welch_diff_ci([0.3], [0.1, 0.2])[1])
 
 
 def test_table_is_the_per_run_mean_share_and_the_final_accuracy_gap():

@@ -21,9 +21,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from moe_lab.analysis.endpoints import format_p, load_comparison, permutation_p
-from moe_lab.analysis.replay_map import welch_diff_ci
-from moe_lab.analysis.stats import block_cells, block_diffs, cold_start_level, conditional, holm, tost_p
+from moe_lab.analysis.endpoints import format_p, load_comparison
+from moe_lab.analysis.stats import (block_cells, block_diffs, cold_start_level, conditional, holm, permutation_p,
+                                    tost_p, welch_diff_ci)
 from moe_lab.launch.design import Contrast, contrasts_spec
 from moe_lab.rl.run_folder import as_results
 

@@ -28,16 +28,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from moe_lab.analysis.replay_map import welch_diff_ci
+from moe_lab.analysis.stats import permutation_p, welch_diff_ci
 from moe_lab.config import ConfigError
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
 from moe_lab.rl.run_folder import ResultsFolder, as_results
 from moe_lab.rl.runlog import FINISHED
 
-EXACT_LIMIT = 2_000_000  # splits enumerated exactly (10 vs 10 seeds: 184,756)
-MC_SAMPLES = 200_000
-MC_SEED = 0
 
 
 def eval_schedule(steps: int, eval_every: int) -> list[int]:
@@ -93,31 +90,6 @@ def unfinished_runs(evals: pd.DataFrame) -> list[str]:
         return []
     status = evals.groupby("run_id", sort=True)["status"].first()
     return sorted(status[~status.isin(FINISHED)].index)
-
-
-def permutation_p(a: Sequence[float], b: Sequence[float]) -> tuple[float, bool]:
-    """(two-sided p of the difference of means, exact?): the share of splits of the pooled values into groups
-    of len(a) and len(b) whose |difference of means| is at least the observed one (ties within 1e-12).
-
-    Past EXACT_LIMIT splits, MC_SAMPLES random splits estimate it as (hits + 1) / (MC_SAMPLES + 1): the observed
-    split counts as one of the draws, so the estimate is a valid p and never 0 (Phipson & Smyth 2010; scipy's
-    permutation_test does the same). The draws permute the sorted pool and fill the smaller group first, so
-    p(a, b) == p(b, a): which arm is named first does not change the estimate."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if not len(a) or not len(b):
-        return math.nan, True
-    observed = abs(a.mean() - b.mean())
-    total, n = len(a) + len(b), min(len(a), len(b))
-    pooled = np.sort(np.concatenate([a, b]))
-    exact = math.comb(total, n) <= EXACT_LIMIT
-    if exact:
-        idx = np.array(list(itertools.combinations(range(total), n)), dtype=np.int64)
-    else:
-        rng = np.random.default_rng(MC_SEED)
-        idx = np.argsort(rng.random((MC_SAMPLES, total)), axis=1)[:, :n]
-    sum_n = pooled[idx].sum(axis=1)
-    hits = np.abs(sum_n / n - (pooled.sum() - sum_n) / (total - n)) >= observed - 1e-12
-    return (float(hits.mean()) if exact else (float(hits.sum()) + 1) / (MC_SAMPLES + 1)), exact
 
 
 def compare_arms(per_run: pd.DataFrame, baseline: str | None = None,

@@ -8,47 +8,17 @@ Reads the frames of moe_lab.analysis.results; never trains, never reads files.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import numpy as np
 import pandas as pd
 
-from moe_lab.analysis.tables import check_columns, mean_ci, t_quantile_975
+from moe_lab.analysis.stats import welch_diff_ci
+from moe_lab.analysis.tables import check_columns, mean_ci
 from moe_lab.analysis.stability import with_labels
 
 SHARE = "ratio/routing_share"
 REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay
 TREATMENTS = ("grpo_r2", "grpo_r3", "gspo", "gspo_token")
-
-
-def welch_diff_se(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
-    """(mean(a) - mean(b), its standard error, Welch-Satterthwaite degrees of freedom) over the finite values;
-    NaN where a side has no value (se, df: fewer than 2); df = inf when both sides are constant."""
-    a, b = (np.asarray([v for v in x if math.isfinite(v)], float) for x in (a, b))
-    if not len(a) or not len(b):
-        return math.nan, math.nan, math.nan
-    diff = float(a.mean() - b.mean())
-    if len(a) < 2 or len(b) < 2:
-        return diff, math.nan, math.nan
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    if va + vb == 0:
-        return diff, 0.0, math.inf
-    return diff, math.sqrt(va + vb), (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-
-
-def welch_diff_ci(a: Sequence[float], b: Sequence[float], floor_dof: bool = True) -> tuple[float, float, float]:
-    """(mean(a) - mean(b), lo, hi): the difference of two means with its 95% Welch interval (unequal
-    variances; Welch-Satterthwaite degrees of freedom, floored by default: conservative; ``floor_dof=False``
-    keeps them fractional, the textbook interval). NaN bounds when either side has < 2 finite values."""
-    diff, se, dof = welch_diff_se(a, b)
-    if not math.isfinite(se):
-        return diff, math.nan, math.nan
-    if se == 0:
-        return diff, diff, diff
-    # Degrees of freedom floored to an integer: a tabulated quantile, and the interval errs wide, never narrow.
-    half = t_quantile_975(math.floor(dof) if floor_dof else dof) * se
-    return diff, diff - half, diff + half
 
 
 def _per_run(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
