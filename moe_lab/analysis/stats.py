@@ -13,9 +13,9 @@ other (no model selection switches between them):
   se^2 = sum_j (s2_aj/n_aj + s2_bj/n_bj) / m^2, Welch-Satterthwaite df). It says what more RL seeds from these
   same checkpoints would show, nothing about another checkpoint. With one cold start it is Welch's interval.
 
-A REML mixed model was used before (random intercept per cold start and per cold start x arm): its df jumped
+Why not a REML mixed model (random intercept per cold start and per cold start x arm): its df jump
 between the cold-start level (m - 1) and the pooled within-cold-start count (about N - m) whenever REML put the
-cold start x arm variance at 0, and simulated under the null its nominal 95% interval then covered 75-93%.
+cold start x arm variance at 0, and simulated under the null its nominal 95% interval then covers 75-93%.
 """
 
 from __future__ import annotations

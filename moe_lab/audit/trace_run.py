@@ -8,7 +8,7 @@ hook returned: a fused path that ignores the router's output shows up here as a 
 Both run the decoder alone (``get_decoder()``): routing needs no logits. The output head runs only for a
 sequence that carries engine log-probs (``logp_from``), over the positions they cover, a chunk of positions at
 a time, so a full-vocabulary row is never held for the whole sequence (V = 152k at S = 8k is 2.4 GB of bf16
-logits; the float64 log-softmax over all of them was 10 GB).
+logits; a float64 log-softmax over all of them would be 10 GB).
 """
 
 from __future__ import annotations
