@@ -14,7 +14,7 @@ other (no model selection switches between them):
   same checkpoints would show, nothing about another checkpoint. With one cold start it is Welch's interval.
 
 Why not a REML mixed model (random intercept per cold start and per cold start x arm): its df jump
-between the cold-start level (m - 1) and the pooled within-cold-start count (about N - m) whenever REML put the
+between the cold-start level (m - 1) and the pooled within-cold-start count (about N - m) whenever REML puts the
 cold start x arm variance at 0, and simulated under the null its nominal 95% interval then covers 75-93%.
 """
 
