@@ -77,6 +77,11 @@ def _table_rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows if path.exists() else 0
 
 
+def _member(name: str) -> property:
+    """The path of one of a run folder's files, named once in rl/runlog.py."""
+    return property(lambda self: self.path / name, doc=f"path of the run's {name}")
+
+
 class RunFolder:
     """One run folder; its manifest read on first use (upgraded), then kept."""
 
@@ -90,29 +95,12 @@ class RunFolder:
     def run_id(self) -> str:
         return self.path.name
 
-    @property
-    def config_path(self) -> Path:
-        return self.path / CONFIG_FILE
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.path / MANIFEST_FILE
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / METRICS_FILE
-
-    @property
-    def eval_path(self) -> Path:
-        return self.path / EVAL_FILE
-
-    @property
-    def lock_path(self) -> Path:
-        return self.path / LOCK_FILE
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.path / CHECKPOINT_DIR
+    config_path = _member(CONFIG_FILE)
+    manifest_path = _member(MANIFEST_FILE)
+    metrics_path = _member(METRICS_FILE)
+    eval_path = _member(EVAL_FILE)
+    lock_path = _member(LOCK_FILE)
+    checkpoint_dir = _member(CHECKPOINT_DIR)
 
     @functools.cached_property
     def manifest(self) -> dict:
