@@ -227,7 +227,7 @@ for name, (spec, m, e) in loaded.items():
         print(f"\\n### {name}: {finished} of {len(cells)} runs finished; declared contrasts after the last")
     elif declared and len(per_run):
         print(f"\\n### {name}")
-        for line in coldstarts.mixed_notes(REFERENCE / name / "runs"):  # one key naming two models (two processors)
+        for line in coldstart_origin.mixed_notes(REFERENCE / name / "runs"):  # one key naming two models (two processors)
             print(line)
         print(contrasts.format_declared(contrasts.declared_contrasts(per_run, declared)))'''
 
@@ -245,7 +245,7 @@ CONFIRMATION = {
                                "from moe_lab.analysis import (contrasts, endpoint_plots, endpoints, figures, plots,\n"
                                "                              results, stability, stability_plots)\n"
                                "from moe_lab.config import load_yaml\n"
-                               "from moe_lab.launch import coldstarts, design, progress")),
+                               "from moe_lab.launch import coldstart_origin, design, progress")),
         ("code", LOAD_CONFIRMATION),
         ("md", "## The endpoints, fixed before the runs\n"
                "- **primary**: per seed, the mean greedy accuracy (`eval/acc_greedy`) over the last 5 scheduled "
