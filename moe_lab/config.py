@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from moe_lab import constants as C
-from moe_lab import config_rules as rules
+from moe_lab import config_checks
 from moe_lab.errors import ConfigError
 from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
 from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
@@ -322,7 +322,7 @@ def _walk(cfg: Any, prefix: str = ""):
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check every field, then the cross-field rules; raise ConfigError naming the first bad field."""
+    """Check every field, then the cross-field checks; raise ConfigError naming the first bad field."""
     for name, value, tp, meta in _walk(cfg):
         _check_field(name, value, tp, meta)
     m, rl = cfg.model, cfg.rl
@@ -340,17 +340,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     if rl.replay == "old" and rl.old_logp == "rollout":
         raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
                           "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
-    rules.check_replay_options(rl)
-    rules.check_expert_bias(cfg)
+    config_checks.check_replay_options(rl)
+    config_checks.check_expert_bias(cfg)
     low, high = resolved_clip(rl)
     if not (0.0 <= low < (1.0 if rl.algo not in C.CLIP_LOW_UNBOUNDED else math.inf) and high >= 0.0):
         raise ConfigError(f"rl.clip_low/clip_high=({low}, {high}) out of range: allowed 0 <= clip_low < 1, clip_high >= 0")
     if rl.dual_clip_c is not None and rl.algo not in C.PPO_CLIP_ALGOS:
         raise ConfigError(f"rl.dual_clip_c={rl.dual_clip_c}: applies to grpo and the gspo variants only, not "
                           f"rl.algo={rl.algo}; leave it None")
-    rules.check_rollout_correction(rl)
-    rules.check_mixture(cfg.task)
-    rules.check_rollout_numerics(rl, m.family)
+    config_checks.check_rollout_correction(rl)
+    config_checks.check_mixture(cfg.task)
+    config_checks.check_rollout_numerics(rl, m.family)
     return cfg
 
 

@@ -2,7 +2,7 @@
 
     python notebooks/make_notebooks.py          # rewrites notebooks/*.ipynb
 
-The notebooks only read results (moe_lab.results) and draw (moe_lab.plots): no training. They read
+The notebooks only read results (moe_lab.analysis.results) and draw (moe_lab.analysis.plots): no training. They read
 $MOE_LAB_RESULTS if set, else the results/reference folder of this repository (see results/README.md).
 Edit this file, not the .ipynb files: tests/test_notebooks.py checks that they match.
 """
@@ -23,11 +23,11 @@ import os, re, sys
 from pathlib import Path
 
 # Make `import moe_lab` work from a checkout that is not pip-installed.
-ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moe_lab" / "results.py").exists()), None)
+ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moe_lab" / "__init__.py").exists()), None)
 if ROOT is not None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from moe_lab import figures, plots, results, stability, stability_plots
+from moe_lab.analysis import figures, plots, results, stability, stability_plots
 
 REFERENCE = results.reference_dir()  # $MOE_LAB_RESULTS, else results/reference above the working directory
 print("reading results from", REFERENCE)'''
@@ -227,7 +227,7 @@ for name, (spec, m, e) in loaded.items():
         print(f"\\n### {name}: {finished} of {len(cells)} runs finished; declared contrasts after the last")
     elif declared and len(per_run):
         print(f"\\n### {name}")
-        for line in coldstarts.mixed_notes(REFERENCE / name / "runs"):  # one key naming two models (two processors)
+        for line in coldstart_origin.mixed_notes(REFERENCE / name / "runs"):  # one key naming two models (two processors)
             print(line)
         print(contrasts.format_declared(contrasts.declared_contrasts(per_run, declared)))'''
 
@@ -241,11 +241,11 @@ CONFIRMATION = {
              "replaying the gate weights too. This notebook only reads results; folders still running are shown "
              "as far as they got.",
     "cells": [
-        ("code", SETUP.replace("from moe_lab import figures, plots, results, stability, stability_plots",
-                               "from moe_lab import figures, plots, results, stability, stability_plots\n"
-                               "from moe_lab.analysis import contrasts, endpoint_plots, endpoints\n"
+        ("code", SETUP.replace("from moe_lab.analysis import figures, plots, results, stability, stability_plots",
+                               "from moe_lab.analysis import (contrasts, endpoint_plots, endpoints, figures, plots,\n"
+                               "                              results, stability, stability_plots)\n"
                                "from moe_lab.config import load_yaml\n"
-                               "from moe_lab.launch import coldstarts, design, progress")),
+                               "from moe_lab.launch import coldstart_origin, design, progress")),
         ("code", LOAD_CONFIRMATION),
         ("md", "## The endpoints, fixed before the runs\n"
                "- **primary**: per seed, the mean greedy accuracy (`eval/acc_greedy`) over the last 5 scheduled "

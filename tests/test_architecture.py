@@ -1,10 +1,16 @@
 """The house rules of the package layout (docs/architecture.md), checked on the source with ast:
 no import circle between modules, no private name imported across modules, and each layer imports only
-the layers below it."""
+the layers below it; and every ``moe_lab`` import the project's code, docs and notebooks spell names a module
+(or a name in one) that exists."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +19,7 @@ import moe_lab
 
 PKG = Path(moe_lab.__file__).resolve().parent
 # layer of each top-level part of moe_lab: a module may import from its own layer or a lower one
-LAYERS = {"errors": 0, "constants": 0, "objective_specs": 0, "yaml_io": 0, "config_rules": 0, "config_legacy": 0, "config": 1, "algos": 2, "models": 2, "routing": 3,
+LAYERS = {"errors": 0, "constants": 0, "objective_specs": 0, "yaml_io": 0, "config_checks": 0, "config_legacy": 0, "config": 1, "algos": 2, "models": 2, "routing": 3,
           "tasks": 2, "formats": 4, "rl": 4, "launch": 5, "analysis": 5, "audit": 6, "train": 7, "cli": 7, "commands": 7,
           "integrations": 8}
 
@@ -31,33 +37,23 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _resolve(name: str) -> str:
-    """The module a dotted import name refers to (old flat aliases resolved to where the code lives)."""
-    parts = name.split(".")
-    for n in (2, 1):  # an old dotted name (launch.verify) before an old flat one (losses)
-        old = ".".join(parts[1:1 + n])
-        if len(parts) > n and parts[0] == "moe_lab" and old in moe_lab.MOVED:
-            return ".".join(["moe_lab", *moe_lab.MOVED[old].split("."), *parts[1 + n:]])
-    return ".".join(parts)
-
-
 def _imports(module: str, path: Path):
     """(imported module, imported names, whether at module level) of every moe_lab import in a module."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     top = set(map(id, tree.body))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe_lab"):
-            base = _resolve(node.module)
+            base = node.module
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                if _resolve(sub) in MODULES:
-                    yield _resolve(sub), [], id(node) in top
+                if sub in MODULES:
+                    yield sub, [], id(node) in top
                 else:
                     yield base, [alias.name], id(node) in top
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("moe_lab.") and _resolve(alias.name) in MODULES:
-                    yield _resolve(alias.name), [], id(node) in top
+                if alias.name.startswith("moe_lab.") and alias.name in MODULES:
+                    yield alias.name, [], id(node) in top
 
 
 def _graph() -> dict[str, set[str]]:
@@ -151,3 +147,74 @@ def test_every_package_ships_in_the_wheel():
     found = {".".join(p.parent.relative_to(PKG.parent).parts) for p in PKG.rglob("__init__.py")}
     found.add("moe_lab.experiments")  # the YAML files' package, mapped from experiments/
     assert found == listed
+
+
+REPO = PKG.parent
+# an import in code, in a docs snippet or prose, in a notebook cell or a string run as code
+FROM_IMPORT = re.compile(r"\bfrom[ \t]+(moe_lab(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[\w \t,]+)")
+IMPORT = re.compile(r"\bimport[ \t]+(moe_lab(?:\.\w+)*)")
+RUN_MODULE = re.compile(r"-m[\s\"',]+(moe_lab(?:\.\w+)*)")  # `python -m <module>`, or "-m", "<module>" in a list
+
+
+def _project_files(root: Path):
+    """The repository's .py, .md and .ipynb files (hidden folders such as .venv, and build outputs, left out)."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("build", "dist", "__pycache__")
+                         and not d.endswith(".egg-info"))
+        yield from (Path(folder) / f for f in sorted(files) if f.endswith((".py", ".md", ".ipynb")))
+
+
+def _text(path: Path) -> str:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".ipynb":  # the cells' sources, not the JSON that escapes their quotes
+        return "\n".join("".join(cell["source"]) for cell in json.loads(text)["cells"])
+    return text
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is missing, or is a module rather than a package
+        return False
+
+
+def _unknown_imports(text: str):
+    """(import, why) for each moe_lab import in a text that names no module, or no module or name in one."""
+    for m in FROM_IMPORT.finditer(text):
+        base = m.group(1)
+        if not _is_module(base):
+            yield m.group(0).strip(), f"no module {base}"
+            continue
+        # the imported names, without comments, nor the quotes and \n of an import spelled inside a string
+        names = re.sub(r"#[^\n]*|\\n|[\"'()]", " ", m.group(2))
+        for name in (item.split()[0] for item in names.split(",") if item.split()):
+            if name != "*" and not _is_module(f"{base}.{name}") and not hasattr(importlib.import_module(base), name):
+                yield m.group(0).strip(), f"{base} has no module or name {name}"
+    for m in (*IMPORT.finditer(text), *RUN_MODULE.finditer(text)):
+        if not _is_module(m.group(1)):
+            yield m.group(0).strip(), f"no module {m.group(1)}"
+
+
+def test_every_moe_lab_import_in_the_project_exists():
+    """Code, docs and notebooks import modules by the names they have: a module renamed or moved leaves no caller
+    (nor a snippet a reader copies) on its old name."""
+    files = list(_project_files(REPO))
+    assert {"README.md", "train.py", "01_reproduce_paper_figures.ipynb"} <= {p.name for p in files}
+    bad = [f"{p.relative_to(REPO)}: {found}: {why}" for p in files for found, why in _unknown_imports(_text(p))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_import_check_finds_an_old_name(tmp_path):
+    """The check above can fail: a name that is not a module, in each spelling it reads."""
+    pkg = "moe_lab"  # the imports below are spelled through it so that this file itself holds none of them
+    flat = f"{pkg}.losses"
+    (tmp_path / "nb.ipynb").write_text(json.dumps({"cells": [{"source": [f"from {flat} import policy_loss"]}]}))
+    (tmp_path / "guide.md").write_text(f"```\nimport {flat}\n```\nor `python -m {flat}`\n")
+    (tmp_path / "old.py").write_text(f"from {pkg} import (results,  # a comment\n    plots)\n"
+                                     f"from {pkg}.algos import nothing\n")
+    found = sorted(why for p in _project_files(tmp_path) for _, why in _unknown_imports(_text(p)))
+    assert found == [f"{pkg} has no module or name plots", f"{pkg} has no module or name results",
+                     f"{pkg}.algos has no module or name nothing", f"no module {flat}", f"no module {flat}",
+                     f"no module {flat}"]
+    good = f"from {pkg}.analysis import (plots,  # a comment\n    results)\nimport {pkg}.train\nfrom {pkg} import __version__\n"
+    assert list(_unknown_imports(good)) == []

@@ -135,7 +135,7 @@ def test_every_stop_reason_is_recognised():
     """The back-compat rule reads reasons by their start: every reason health.stop_reason writes has one."""
     params = health.CollapseParams(entropy_max=1.0)
     obs = health.StepObservation(step=3, reward=0.0, detail="step 3 minibatch 0")
-    for rule in health.RULES:
+    for rule in health.COLLAPSE_RULES:
         state = health.HealthState(fired=rule, reward_ema=0.1, best_ema=0.5, entropy_ema=2.0)
         reason = health.stop_reason(state, obs, params, stop_on_collapse=True)
         assert run_status({"status": "failed", "reason": reason, "collapse_rule": rule}) == "collapsed", rule

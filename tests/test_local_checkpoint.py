@@ -6,9 +6,9 @@ import pandas as pd
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from moe_lab.algos.ratio_metrics import DECOMP_KEYS
 from moe_lab.config import ModelConfig, apply_overrides, from_dict, validate
 from moe_lab.models import build_model
-from moe_lab.ratio_metrics import DECOMP_KEYS
 from moe_lab.tasks import get_task, load_tokenizer
 from moe_lab.rl.loop import train
 

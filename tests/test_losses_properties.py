@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.algos.losses import ALGOS, LOSS_AGGS, policy_loss
+from moe_lab.algos.losses import LOSS_AGGS, policy_loss
+from moe_lab.constants import PPO_CLIP_ALGOS
 
 FAST = settings(max_examples=20, deadline=None)
 CLIP_KEYS = ("clip_frac/out_of_range", "clip_frac/active", "clip_frac/low", "clip_frac/high", "clip_frac/seq")
@@ -48,7 +49,7 @@ def test_identical_policies_ratio_one_nothing_clipped(shape, contiguous, loss_ag
     new, _, adv, mask = random_batch(*shape, contiguous=contiguous)
     old = new.detach().clone()
     grads = {}
-    for algo in ALGOS:
+    for algo in PPO_CLIP_ALGOS:
         kw = dict(algo=algo, clip_low=3e-4, clip_high=4e-4, loss_agg=loss_agg)
         loss, grads[algo], m = loss_and_grad(new, old, adv, mask, **kw)
         assert m["ratio/token_mean"].item() == 1.0 and m["ratio/seq_mean"].item() == 1.0
@@ -89,7 +90,8 @@ def test_gspo_token_with_sequence_advantages_equals_gspo(shape, loss_agg, dual, 
 
 
 @FAST
-@given(shape=shapes, algo=st.sampled_from(ALGOS), loss_agg=st.sampled_from(LOSS_AGGS), contiguous=st.booleans())
+@given(shape=shapes, algo=st.sampled_from(PPO_CLIP_ALGOS), loss_agg=st.sampled_from(LOSS_AGGS),
+       contiguous=st.booleans())
 def test_garbage_in_padding_changes_nothing(shape, algo, loss_agg, contiguous):
     new, old, adv, mask = random_batch(*shape, contiguous=contiguous)
     token_adv = adv.unsqueeze(-1).expand(mask.shape).clone()
@@ -121,7 +123,7 @@ def test_fixed_shift_keeps_s_i_fixed_while_unnormalised_grows(B, T, seed, shift)
     assert loss_raw.item() == pytest.approx(expected, rel=1e-4)
 
 
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", PPO_CLIP_ALGOS)
 def test_asymmetric_clip_semantics(algo):
     """One-token sequences so every algo's ratio is exp(d); A > 0 clips above, A < 0 below."""
     lo, hi = 0.1, 0.3
@@ -142,7 +144,7 @@ def test_asymmetric_clip_semantics(algo):
 
 
 @FAST
-@given(shape=shapes, algo=st.sampled_from(ALGOS), c=st.floats(1.05, 4.0))
+@given(shape=shapes, algo=st.sampled_from(PPO_CLIP_ALGOS), c=st.floats(1.05, 4.0))
 def test_dual_clip_bounds_negative_advantage_loss(shape, algo, c):
     new, old, adv, mask = random_batch(*shape, scale=1.5)
     adv = -adv.abs() - 0.1  # all negative

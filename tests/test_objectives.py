@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_lab.config import PAPER_CLIP, RLConfig, ConfigError, from_dict, validate
-from moe_lab.algos.losses import ALL_ALGOS, LOSS_AGGS, policy_loss
+from moe_lab.algos.losses import LOSS_AGGS, policy_loss
+from moe_lab.constants import ALGOS
 from moe_lab.algos.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
 
 FAST = settings(max_examples=12, deadline=None)
@@ -119,7 +120,7 @@ def test_value_and_gradient_match_loop_reference(B, T, seed, case, loss_agg, tok
 
 
 @FAST
-@given(B=st.integers(1, 4), T=st.integers(1, 6), seed=st.integers(0, 10_000), algo=st.sampled_from(ALL_ALGOS),
+@given(B=st.integers(1, 4), T=st.integers(1, 6), seed=st.integers(0, 10_000), algo=st.sampled_from(ALGOS),
        loss_agg=st.sampled_from(LOSS_AGGS))
 def test_garbage_in_masked_positions_changes_nothing(B, T, seed, algo, loss_agg):
     new, old, adv, mask, gamma, weights = make_batch(B, T, seed, token_adv=True)
@@ -247,7 +248,7 @@ def test_rspo_gamma_is_floored_and_carries_no_gradient():
 # ---------------------------------------------------------------- rollout-correction weights in the loss
 
 
-@pytest.mark.parametrize("algo", ALL_ALGOS)
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
 def test_is_weights_of_ones_change_nothing(algo, loss_agg):
     new, old, adv, mask, gamma, _ = make_batch(4, 6, seed=9)
@@ -274,7 +275,7 @@ def test_is_weights_scale_the_per_token_terms_of_the_ppo_family():
 
 def test_registry_config_and_paper_defaults_agree():
     choices = dict((f.name, f) for f in __import__("dataclasses").fields(RLConfig))["algo"].metadata["choices"]
-    assert tuple(choices) == tuple(OBJECTIVES) == ALL_ALGOS
+    assert tuple(choices) == tuple(OBJECTIVES) == ALGOS
     assert set(PAPER_CLIP) == set(OBJECTIVES)
     rl = RLConfig()
     assert (rl.sapo_tau_pos, rl.sapo_tau_neg, rl.rspo_floor) == (

@@ -66,7 +66,7 @@ def test_a_new_arms_colour_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = "from moe_lab import plots; print(plots.arm_color('my_new_arm'), plots.arm_color('another'))"
+    code = "from moe_lab.analysis import plots; print(plots.arm_color('my_new_arm'), plots.arm_color('another'))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert outs == {f"{plots.arm_color('my_new_arm')} {plots.arm_color('another')}\n"}

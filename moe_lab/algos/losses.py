@@ -29,8 +29,6 @@ from moe_lab.algos.objectives import OBJECTIVES, ObjectiveInputs, ObjectiveTerms
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
 __all__ = [
-    "ALGOS",
-    "ALL_ALGOS",
     "LOSS_AGGS",
     "KL_KINDS",
     "masked_mean",
@@ -40,10 +38,6 @@ __all__ = [
     "policy_loss",
 ]
 
-# The PPO-clip family (a clipped surrogate on a token or sequence ratio, dual clip allowed): the
-# algorithms the clipped-surrogate properties and the golden file hold for.
-ALGOS = C.PPO_CLIP_ALGOS
-ALL_ALGOS = C.ALGOS
 LOSS_AGGS = C.LOSS_AGGS
 KL_KINDS = C.KL_KINDS
 
@@ -85,7 +79,7 @@ def _real(x) -> bool:
 
 def _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len) -> None:
     if algo not in OBJECTIVES:
-        raise ValueError(f"algo must be one of {ALL_ALGOS}, got {algo!r}")
+        raise ValueError(f"algo must be one of {C.ALGOS}, got {algo!r}")
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
     low_max = OBJECTIVES[algo].clip_low_max
@@ -95,7 +89,8 @@ def _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len) -
     elif not (_real(clip_low) and 0.0 <= clip_low < low_max):
         raise ValueError(f"clip_low must be a float with 0 <= clip_low < 1, got {clip_low!r}")
     if dual_clip_c is not None and not OBJECTIVES[algo].dual_clip:
-        raise ValueError(f"dual_clip_c applies to the PPO-clip algos {ALGOS} only, not algo={algo!r}: pass None")
+        raise ValueError(f"dual_clip_c applies to the PPO-clip algos {C.PPO_CLIP_ALGOS} only, not algo={algo!r}: "
+                         "pass None")
     if not (_real(clip_high) and 0.0 <= clip_high < math.inf):
         raise ValueError(f"clip_high must be a finite float >= 0, got {clip_high!r}")
     if dual_clip_c is not None and not (_real(dual_clip_c) and 1.0 < dual_clip_c < math.inf):

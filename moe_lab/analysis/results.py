@@ -1,6 +1,6 @@
 """The summary of an experiment over seeds (``summarize``, ``format_summary``) and, re-exported, the loaders
-and reductions of ``moe_lab.analysis.tables`` (``load_runs``, ``per_step``, ``mean_ci``...): the names notebooks
-and the CLI read as ``moe_lab.results``."""
+and reductions of ``moe_lab.analysis.tables`` (``load_runs``, ``per_step``, ``mean_ci``...), so that notebooks
+and the CLI read them from one module."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def main(args) -> int:
     interim = interim_note(folder)
     if interim:
         print(interim, file=sys.stderr)
-    from moe_lab.launch.coldstarts import mixed_notes
+    from moe_lab.launch.coldstart_origin import mixed_notes
 
     for line in mixed_notes(folder.runs_dir):  # a block mixing two models of one cold-start key
         print(line, file=sys.stderr)

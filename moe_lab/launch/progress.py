@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lab.config import ConfigError, dump_yaml
-from moe_lab.launch.coldstarts import mixed_notes
+from moe_lab.launch.coldstart_origin import mixed_notes
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import Cell, expand
 from moe_lab.rl.run_folder import CONFLICT, DONE, UNVERIFIED, ResultsFolder, RunFolder, as_results

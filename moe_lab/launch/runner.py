@@ -26,7 +26,7 @@ import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.experiment import Cell, expand
-from moe_lab.launch.coldstarts import warmed_here_notes
+from moe_lab.launch.coldstart_origin import warmed_here_notes
 from moe_lab.rl.run_folder import CELL_STATES, CONFLICT, DONE, NEW, RESUME, ResultsFolder, RunFolder
 from moe_lab.rl.runlog import FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock
 

@@ -32,9 +32,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 ZERO_REWARD_STEPS = 5
-HARD_RULES = ("non_finite", "zero_reward")
-SOFT_RULES = ("reward_drop", "entropy")
-RULES = (*HARD_RULES, *SOFT_RULES)
+HARD_COLLAPSE_RULES = ("non_finite", "zero_reward")
+SOFT_COLLAPSE_RULES = ("reward_drop", "entropy")
+COLLAPSE_RULES = (*HARD_COLLAPSE_RULES, *SOFT_COLLAPSE_RULES)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def stop_reason(state: HealthState, obs: StepObservation, params: CollapseParams
     """Why the run must stop after this step, or '' to go on: a hard rule always stops, a soft one only
     with stop_on_collapse."""
     rule = state.fired
-    if not rule or (rule in SOFT_RULES and not stop_on_collapse):
+    if not rule or (rule in SOFT_COLLAPSE_RULES and not stop_on_collapse):
         return ""
     if rule == "non_finite":
         return f"non-finite loss or gradient at {obs.detail}"

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere, installed or not
-from moe_lab.algos.losses import ALGOS, LOSS_AGGS, policy_loss  # noqa: E402
+from moe_lab.algos.losses import LOSS_AGGS, policy_loss  # noqa: E402
+from moe_lab.constants import PPO_CLIP_ALGOS  # noqa: E402
 
 OUT = Path(__file__).with_name("losses_golden.json")
 B, T = 4, 5
@@ -35,8 +36,8 @@ def fixed_inputs() -> dict[str, torch.Tensor]:
 
 def case_list() -> list[tuple[str, dict, str]]:
     base = dict(clip_low=0.1, clip_high=0.15)
-    cases = [(f"{a}/{agg}", dict(base, algo=a, loss_agg=agg), "adv_B") for a in ALGOS for agg in LOSS_AGGS]
-    cases += [(f"{a}/dual1.5", dict(base, algo=a, dual_clip_c=1.5), "adv_B") for a in ALGOS]
+    cases = [(f"{a}/{agg}", dict(base, algo=a, loss_agg=agg), "adv_B") for a in PPO_CLIP_ALGOS for agg in LOSS_AGGS]
+    cases += [(f"{a}/dual1.5", dict(base, algo=a, dual_clip_c=1.5), "adv_B") for a in PPO_CLIP_ALGOS]
     cases += [("grpo/token_adv", dict(base, algo="grpo"), "adv_BT")]
     cases += [("gspo_token/token_adv", dict(base, algo="gspo_token", dual_clip_c=1.5), "adv_BT")]
     cases += [("grpo/sum-norm-8", dict(base, algo="grpo", loss_agg="seq-mean-token-sum-norm", norm_len=8), "adv_B")]

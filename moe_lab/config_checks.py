@@ -1,4 +1,4 @@
-"""Cross-field rules of a run config that concern one feature each (task mixtures, replay options, rollout
+"""Cross-field checks of a run config that concern one feature each (task mixtures, replay options, rollout
 correction): ``config.validate`` calls them after every field passed its own check. Like the config, nothing
 here imports torch."""
 

@@ -1,6 +1,6 @@
 """Which cold start a run began from, across resumes and processors: the manifest's segments, the folder-level
 note when one cache key names two models, and the runner's line when this machine warms another model than the
-folder's runs began from (moe_lab.rl.loop.provenance, moe_lab.launch.coldstarts)."""
+folder's runs began from (moe_lab.rl.loop.provenance, moe_lab.launch.coldstart_origin)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from moe_lab.config import apply_overrides, load_yaml
-from moe_lab.launch import coldstarts
+from moe_lab.launch import coldstart_origin
 from moe_lab.launch.runner import run_experiment
 from moe_lab.rl import loop
 from moe_lab.rl.coldstart import META_FILE, cache_key, cache_root
@@ -55,13 +55,13 @@ def test_the_folder_note_names_a_key_that_holds_two_models_and_the_runs_of_the_s
     runs = tmp_path / "runs"
     for seed in range(3):
         _manifest(runs, f"grpo-s{seed}", coldstart=WARM_A, machine=INTEL)
-    assert coldstarts.mixed_notes(runs) == []
+    assert coldstart_origin.mixed_notes(runs) == []
     _manifest(runs, "gspo-s9", coldstart=WARM_A, machine=AMD,  # overwritten by a resume: segments tell the truth
               segments=[{"from_step": 0, "machine": INTEL, "coldstart": WARM_A},
                         {"from_step": 5, "machine": AMD, "coldstart": WARM_B}])
-    assert coldstarts.mixed_notes(runs) == []
+    assert coldstart_origin.mixed_notes(runs) == []
     _manifest(runs, "gspo-s3", segments=[{"from_step": 0, "machine": AMD, "coldstart": WARM_B}])
-    (note,) = coldstarts.mixed_notes(runs)
+    (note,) = coldstart_origin.mixed_notes(runs)
     assert "4 run(s) from one warmed in 250" in note and "1 run(s) from one warmed in 270" in note
     assert "AMD EPYC" in note and note.endswith(": gspo-s3")
 
@@ -83,4 +83,4 @@ def test_the_runner_says_when_this_machine_warmed_another_model_under_the_folder
     run_experiment(exp, tmp_path / "e", jobs=1, progress=False, echo=lines.append)
     (note,) = [line for line in lines if "note" in line]
     assert f"warmed here in {meta['steps'] + 5} supervised steps" in note and f"in {meta['steps']} supervised" in note
-    assert len(coldstarts.mixed_notes(tmp_path / "e" / "runs")) == 1
+    assert len(coldstart_origin.mixed_notes(tmp_path / "e" / "runs")) == 1
