@@ -15,12 +15,12 @@ normalisation applied to given ids).
   MiniMax-M2);
 - here: the registry, ``REFUSED`` (the families a router hook cannot serve, and why) and the look-ups.
 
-A new family whose router works as an existing one's takes 3 files, 4 to be checked against external traces
-(docs/extending.md, "A new model family", gives the lines): its tiny config and ``FamilySpec`` row in its kind's
-module; its name in ``constants.FAMILIES`` (the config's choices; also ``NORM_TOPK_FAMILIES`` /
-``BIAS_FAMILIES`` where its router has the switch / the bias); docs/config.md's table regenerated; and, for
-``check-trace``/``verify-replay`` on its real checkpoints, its MoE-layer rule in ``formats/layers.py``. A new
-router kind adds its ``select``/``gate_weights`` to ``routers`` and, for a new module, its tuple below.
+A new family whose router works as an existing one's is code in 2 files: its tiny config and ``FamilySpec`` row
+in its kind's module, and its name in ``constants.FAMILIES`` (the config's choices; also ``NORM_TOPK_FAMILIES`` /
+``BIAS_FAMILIES`` where its router has the switch / the bias); a 3rd, ``formats/layers.py`` (its MoE-layer rule),
+for ``check-trace`` / ``verify-replay`` on its real checkpoints; and docs/config.md's table regenerated
+(docs/extending.md, "A new model family", gives the lines). A new router kind adds its ``select`` /
+``gate_weights`` to ``routers`` and, for a new kind module, its tuple to the ``_registry`` call below.
 ``FAMILIES`` is built in ``constants.FAMILIES``' order and refuses at import a name declared on one side only.
 
 megablocks is not yet supported: its PyPI release is a CUDA-only build pinned to torch 2.7.0 and its fused

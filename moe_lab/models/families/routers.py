@@ -7,8 +7,8 @@ bit-exactly, its ``router_logp``, and where it keeps a choice-only correction bi
   from the dense logits/probabilities (never from top-k-zeroed ones, which would silently kill the router
   gradient of a replayed expert the router no longer picks).
 
-Grouped by router kind, as the family modules (``softmax``, ``sigmoid``) are: functions one family needs sit
-beside the ones its kind shares, since a bit-exact copy depends on keeping the same op order as the kind's.
+Grouped by router kind, as the family modules ``softmax`` and ``sigmoid`` are: each family's functions sit beside
+those of the routers it differs from by one step (the renormalisation, a dtype, where the bias is kept).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def qwen_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) -> T
 
 
 def renorm_select(router: nn.Module, logits_NE: Tensor) -> tuple[Tensor, Tensor]:
-    # Qwen3.5-MoE: Qwen's rule with the renormalisation always on (its router has no norm_topk_prob switch)
+    # Qwen3.5-MoE: Qwen's choice with the renormalisation always on (its router has no norm_topk_prob switch)
     return _softmax_select(logits_NE, router.top_k, norm=True, cast_back=True)
 
 
@@ -123,7 +123,7 @@ def ernie_gate_weights(router: nn.Module, logits_NE: Tensor, ids_NK: Tensor) -> 
     return _ernie_weights(router, F.softmax(logits_NE, dim=1, dtype=torch.float), ids_NK.long())
 
 
-# --------------------------------------------------------------------------- sigmoid routers with a choice-only correction bias
+# ------------------------------------------------------- sigmoid routers with a choice-only correction bias
 
 
 def sigmoid_router_logp(logits_NE: Tensor) -> Tensor:
