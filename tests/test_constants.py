@@ -6,7 +6,6 @@ import sys
 
 from moe_lab import config, constants as C
 from moe_lab.algos.advantages import WHITEN_MODES
-from moe_lab.models.families import FAMILIES
 from moe_lab.models import EXPERTS_IMPLS
 from moe_lab.algos.losses import KL_KINDS, LOSS_AGGS
 from moe_lab.algos.objectives import OBJECTIVES
@@ -22,7 +21,6 @@ def _choices(cls, name: str) -> tuple:
 def test_registries_match_the_constants():
     assert list(OBJECTIVES) == list(C.ALGOS)
     assert set(C.PAPER_CLIP) == set(C.ALGOS)
-    assert set(FAMILIES) == set(C.FAMILIES)
     assert set(TASKS) == set(C.TASKS) and set(SINGLE) == set(C.SINGLE_TASKS)
     assert set(DEFAULT_BOUNDS) == set(MODES) == set(C.ROLLOUT_CORRECTION_MODES)
     assert EXPERTS_IMPLS == C.EXPERTS_KERNELS

@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from moe_lab.config import ModelConfig
-from moe_lab.models.families import FAMILIES, _deepseek_groups, get_family
+from moe_lab.models.families import FAMILIES, get_family
+from moe_lab.models.families.sigmoid import deepseek_groups
 from moe_lab.models import build_model, load_model, moe_layers
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
@@ -130,7 +131,7 @@ def test_deepseek_bias_shifts_the_choice_not_the_weights():
 
 @pytest.mark.parametrize("E,K", [(2, 1), (3, 2), (4, 4), (8, 2), (8, 6), (12, 3), (64, 8), (60, 4)])
 def test_deepseek_groups_are_valid(E, K):
-    n_group, topk_group = _deepseek_groups(E, K)
+    n_group, topk_group = deepseek_groups(E, K)
     assert E % n_group == 0 and E // n_group >= 2 and 1 <= topk_group <= n_group
     assert topk_group * (E // n_group) >= K  # enough experts in the kept groups for top-k
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
-from moe_lab.models.families import FAMILIES, deepseek_select
+from moe_lab.models.families import FAMILIES
+from moe_lab.models.families.routers import deepseek_select
 from moe_lab.models import moe_layers
 from moe_lab.routing import expert_change, predictor, record, replay, router_logp_probe
 from moe_lab.rl.step import rl_step, updates_per_step

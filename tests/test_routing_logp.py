@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from moe_lab.models.families import FAMILIES, sigmoid_router_logp
+from moe_lab.models.families import FAMILIES
+from moe_lab.models.families.routers import sigmoid_router_logp
 from moe_lab.models import moe_layers, position_ids_from_mask
 from moe_lab.routing import Trace, record, replay, router_gamma, router_logp_probe, router_shift
 from test_routing import ALL, TINY, perturb_routers, tiny_model, tokens

@@ -253,7 +253,7 @@ def test_the_rounding_scale_of_a_tie_is_two_bf16_spacings_for_softmax_and_less_f
     erases 2 spacings of a softmax router's log-prob margin (the normaliser cancels) and (sigmoid(-z_k) +
     sigmoid(-z_k+1)) spacings of a sigmoid router's (d log sigmoid(z) / dz = sigmoid(-z))."""
     from moe_lab.audit.trace_run import tie_scale_S
-    from moe_lab.models.rules import sigmoid_router_logp, softmax_router_logp
+    from moe_lab.models.families.routers import sigmoid_router_logp, softmax_router_logp
 
     z = torch.tensor([[3.0, 1.5, 1.25, -0.5], [-6.0, 0.7, 0.2, 0.1]])
     spacing = torch.tensor([2.0 ** -7 * 2, 2.0 ** -7 * 4])  # bf16 eps times 2^floor(log2 max|z|): 3 -> 2, 6 -> 4

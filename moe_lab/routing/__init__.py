@@ -1,6 +1,6 @@
 """Routing record / replay, traces and routing metrics for transformers MoE models.
 
-The family registry (router classes, choice rules, gate normalisations) lives in ``moe_lab.models.families``.
+The family registry (router classes, choice functions, gate normalisations) lives in ``moe_lab.models.families``.
 """
 
 from moe_lab.routing.hooks import ReplayHandle, check_trace, record, replay, router_logp_probe

@@ -1,14 +1,16 @@
-"""The families added in moe_lab/models/families_2026.py, on checkpoints laid out as the real ones are (dense first
-layers, MTP fields, hybrid attention), saved with save_pretrained and loaded back: record/replay bit-exact (fp32
-and bf16), select()/gate_weights() bit-exact with non-zero correction biases, the MoE layers moe_lab finds equal
-to the decoder layers that hold a router and to formats.layers' rule, MiniMax-M2's block-held bias followed
-through copies, and the refused families refused with their reason. (The tiny all-MoE builds of these
-families run through the parametrised tests of test_models/test_routing/test_replay_variants/test_routing_logp.)"""
+"""The families whose real checkpoints are laid out unlike the tiny all-MoE builds (dense first layers, MTP fields,
+hybrid attention) or keep routing state outside the router (MiniMax-M2), on checkpoints of that layout, saved
+with save_pretrained and loaded back: record/replay bit-exact (fp32 and bf16), select()/gate_weights() bit-exact
+with non-zero correction biases, the MoE layers moe_lab finds equal to the decoder layers that hold a router and to
+formats.layers' rule, MiniMax-M2's block-held bias followed through copies, and the refused families refused with
+their reason. (The tiny builds of every family run through the parametrised tests of test_models/test_routing/
+test_replay_variants/test_routing_logp.)"""
 
 from __future__ import annotations
 
 import copy
 import json
+from typing import Callable
 
 import pytest
 import torch
@@ -20,7 +22,6 @@ from moe_lab.cli import main as cli_main
 from moe_lab.formats import layers as formats_layers
 from moe_lab.models import load_model, moe_layers
 from moe_lab.models.families import FAMILIES, REFUSED, get_family
-from moe_lab.models.families_2026 import NEW_FAMILIES
 from moe_lab.routing import record, replay
 from trace_dumps import generate_routes, write_jsonl
 
@@ -34,26 +35,25 @@ HYBRID = dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear
 SIGMOID = dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1)
 
 
-def real_layout(family: str) -> PretrainedConfig:
-    """A 3-layer config with the family's real layout: which layers are dense, MTP fields, attention kinds."""
-    if family == "glm4_moe":  # GLM-4.5: first layer dense, one MTP layer in the config
-        return Glm4MoeConfig(**COMMON, **SIGMOID, first_k_dense_replace=1, num_nextn_predict_layers=1, head_dim=8)
-    if family == "dots1":
-        return Dots1Config(**COMMON, **SIGMOID, first_k_dense_replace=1, sliding_window=None)
-    if family == "deepseek_v32":  # DeepSeek-V3.2: MLA + DSA indexer, first layer dense
-        return DeepseekV32Config(**{**COMMON, "num_key_value_heads": 4}, **SIGMOID, first_k_dense_replace=1,
-                                 q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                 v_head_dim=8, head_dim=4, index_n_heads=2, index_head_dim=8, index_topk=64)
-    if family == "qwen3_next":  # hybrid attention, and a dense layer through mlp_only_layers
-        return Qwen3NextConfig(**COMMON, **HYBRID, mlp_only_layers=[1])
-    if family == "qwen3_5_moe":
-        return Qwen3_5MoeTextConfig(**COMMON, **HYBRID)
-    if family == "ernie4_5_moe":  # ERNIE-4.5: the first layer dense (moe_layer_start_index=1), shared experts
-        return Ernie4_5_MoeConfig(**COMMON, moe_num_experts=8, moe_intermediate_size=16, moe_num_shared_experts=1,
-                                  moe_layer_start_index=1)
-    if family == "minimax_m2":
-        return MiniMaxM2Config(**{**COMMON, "intermediate_size": 16}, num_local_experts=8, head_dim=8)
-    raise AssertionError(family)
+# family -> a 3-layer config with the family's real layout: which layers are dense, MTP fields, attention kinds
+REAL_LAYOUTS: dict[str, Callable[[], PretrainedConfig]] = {
+    # GLM-4.5: first layer dense, one MTP layer in the config
+    "glm4_moe": lambda: Glm4MoeConfig(**COMMON, **SIGMOID, first_k_dense_replace=1, num_nextn_predict_layers=1,
+                                      head_dim=8),
+    "dots1": lambda: Dots1Config(**COMMON, **SIGMOID, first_k_dense_replace=1, sliding_window=None),
+    # DeepSeek-V3.2: MLA + DSA indexer, first layer dense
+    "deepseek_v32": lambda: DeepseekV32Config(**{**COMMON, "num_key_value_heads": 4}, **SIGMOID,
+                                              first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8,
+                                              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
+                                              index_n_heads=2, index_head_dim=8, index_topk=64),
+    # hybrid attention, and a dense layer through mlp_only_layers
+    "qwen3_next": lambda: Qwen3NextConfig(**COMMON, **HYBRID, mlp_only_layers=[1]),
+    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(**COMMON, **HYBRID),
+    # ERNIE-4.5: the first layer dense (moe_layer_start_index=1), shared experts
+    "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**COMMON, moe_num_experts=8, moe_intermediate_size=16,
+                                               moe_num_shared_experts=1, moe_layer_start_index=1),
+    "minimax_m2": lambda: MiniMaxM2Config(**{**COMMON, "intermediate_size": 16}, num_local_experts=8, head_dim=8),
+}
 
 
 def set_correction_biases(model, seed: int = 3) -> None:
@@ -69,11 +69,11 @@ def set_correction_biases(model, seed: int = 3) -> None:
 def checkpoints(tmp_path_factory):
     """family -> directory of a saved real-layout checkpoint with random weights and non-zero biases."""
     out = {}
-    for family in NEW_FAMILIES:
+    for family, layout in REAL_LAYOUTS.items():
         spec = FAMILIES[family]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = spec.model_cls._from_config(real_layout(family), attn_implementation=spec.attn_impl,
+            model = spec.model_cls._from_config(layout(), attn_implementation=spec.attn_impl,
                                                 dtype=torch.float32)
         set_correction_biases(model)
         out[family] = tmp_path_factory.mktemp(family) / "ckpt"
@@ -90,7 +90,7 @@ def router_layers(model, router_cls) -> list[int]:
     return [i for i, layer in enumerate(model.model.layers) if any(isinstance(m, router_cls) for m in layer.modules())]
 
 
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+@pytest.mark.parametrize("family", list(REAL_LAYOUTS))
 def test_moe_layers_are_the_router_layers_and_the_formats_rule(family, checkpoints):
     model = load_model(checkpoints[family])
     found = [layer.layer_idx for layer in moe_layers(model)]
@@ -107,7 +107,7 @@ def test_moe_layers_are_the_router_layers_and_the_formats_rule(family, checkpoin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+@pytest.mark.parametrize("family", list(REAL_LAYOUTS))
 def test_loaded_checkpoint_records_and_replays_bit_exactly(family, dtype, checkpoints):
     model, x = load_model(checkpoints[family], dtype=dtype), tokens()
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_loaded_checkpoint_records_and_replays_bit_exactly(family, dtype, checkp
     assert torch.equal(handle.latent.indices, trace.indices) and torch.equal(handle.latent.weights, trace.weights)
 
 
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+@pytest.mark.parametrize("family", list(REAL_LAYOUTS))
 def test_select_and_gate_weights_match_the_router_with_biases(family, checkpoints):
     model, spec = load_model(checkpoints[family]), get_family(family)
     seen = []
@@ -158,7 +158,7 @@ def test_minimax_bias_is_read_from_the_block_of_each_copy(checkpoints):
     assert "moe_lab_block" not in "".join(model.state_dict())  # the link is no weight
 
 
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+@pytest.mark.parametrize("family", list(REAL_LAYOUTS))
 def test_check_trace_agrees_with_routes_recorded_by_our_own_hooks(family, checkpoints, tmp_path, capsys):
     """Generation routes kept by the test's own router hooks, written as vLLM does (every decoder layer, zeros
     in the dense ones): check-trace finds every slot in agreement and no fault, on each family's layout."""
