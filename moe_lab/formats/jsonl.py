@@ -212,12 +212,3 @@ def _read_slime(path: Path, config: Any, layers: str) -> list[RoutedSequence]:
     from moe_lab.formats.slime import read_slime
 
     return read_slime(path, config, layers)
-
-
-def write_line(seq: RoutedSequence, line_routes: dict) -> str:
-    """One JSONL line: the tokens of ``seq`` and the layout fields in ``line_routes``."""
-    completion = seq.tokens[seq.prompt_len:].tolist()
-    line = {"prompt_ids": seq.tokens[: seq.prompt_len].tolist(), "completion_ids": completion, **line_routes}
-    if seq.engine_logprobs is not None:
-        line["completion_logprobs"] = seq.engine_logprobs.tolist()
-    return json.dumps(line)
