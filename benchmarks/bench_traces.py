@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_lab.audit.check_trace import run_check
+from moe_lab.audit.trace_audit import run_check
 from moe_lab.formats.routes import Routes, RoutedSequence
 from moe_lab.models import load_model
 
