@@ -114,7 +114,10 @@ def decode(rows_SAK: Any, config: Any, *, start: int = 0, num_tokens: int | None
                          f"num_experts_per_tok={k}")
     if start < 0:
         raise ValueError(f"{what}: start={start}; allowed an int >= 0")
-    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES.get(layout))
+    if layout not in LAYOUT_AXES:  # a layout added without saying which numberings its producer writes
+        raise ValueError(f"layout={layout!r} has no entry in formats.layers.LAYOUT_AXES; allowed "
+                         f"{', '.join(LAYOUT_AXES)}")
+    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES[layout])
     S = start + rows.shape[0] if num_tokens is None else int(num_tokens)
     excess = max(0, start + rows.shape[0] - S)
     rows = rows[: max(0, rows.shape[0] - excess)]
