@@ -63,10 +63,12 @@ def dump(ckpt: Path, out: Path, seqs: int, length: int) -> None:
     """Its own routes of ``seqs`` random sequences, vLLM's layout; one file without, one with log-probs."""
     import torch
 
-    from moe_lab.formats import vllm
     from moe_lab.formats.routes import Routes
     from moe_lab.models import load_model
     from moe_lab.routing import record
+
+    sys.path.insert(0, str(ROOT / "tests"))  # the tests' trace writers (tests/ is not installed)
+    from trace_writers import write_vllm
 
     model, config = load_model(ckpt, dtype="auto"), json.loads((ckpt / "config.json").read_text())
     gen = torch.Generator().manual_seed(1)
@@ -79,7 +81,7 @@ def dump(ckpt: Path, out: Path, seqs: int, length: int) -> None:
         routes = Routes(ids_LSK, torch.ones(ids_LSK.shape[:2], dtype=torch.bool))
         prompt = length // 8
         line = {"prompt_ids": tokens[:prompt].tolist(), "completion_ids": tokens[prompt:].tolist(),
-                "routed_experts": vllm.write_vllm(routes, config=config, stop=length - 1).tolist()}
+                "routed_experts": write_vllm(routes, config=config, stop=length - 1).tolist()}
         logp = torch.log_softmax(logits[prompt - 1:-1].float(), -1).gather(1, tokens[prompt:, None])[:, 0]
         plain.append(json.dumps(line))
         with_logp.append(json.dumps({**line, "completion_logprobs": logp.tolist()}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,10 +22,12 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_lab.audit.check_trace import run_check
-from moe_lab.formats import nemo_rl, prime_rl, sglang, vllm
+from moe_lab.audit.trace_audit import run_check
 from moe_lab.formats.routes import Routes, RoutedSequence
 from moe_lab.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' trace writers
+from trace_writers import write_nemo_rl, write_prime_rl, write_sglang, write_vllm  # noqa: E402
 
 
 def checkpoint(path: Path, hidden: int, experts: int, layers: int = 4) -> Path:
@@ -80,10 +83,10 @@ def layout_sizes(seq: RoutedSequence, config: dict) -> list[tuple[str, float, fl
     """(layout, wire bytes per token, decoded bytes per token)."""
     r, S = seq.routes, seq.num_tokens
     stop = S - 1
-    dec = vllm.write_vllm(r, config=config, stop=stop)
-    sg = sglang.write_sglang(r, config=config)
-    nr = nemo_rl.write_nemo_rl(r, config=config, stop=stop)
-    pr = prime_rl.write_prime_rl(r, config=config, stop=stop)
+    dec = write_vllm(r, config=config, stop=stop)
+    sg = write_sglang(r, config=config)
+    nr = write_nemo_rl(r, config=config, stop=stop)
+    pr = write_prime_rl(r, config=config, stop=stop)
     moe_rows = r.num_layers * r.top_k
     return [
         ("vllm CompletionOutput (int32, every decoder layer)", float("nan"), dec.shape[1] * r.top_k * 4),

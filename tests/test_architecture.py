@@ -37,8 +37,9 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(module: str, path: Path):
-    """(imported module, imported names, whether at module level) of every moe_lab import in a module."""
+def _imports(module: str, path: Path, modules: dict[str, Path] = MODULES):
+    """(imported module, imported names, whether at module level) of every moe_lab import in a module, those
+    inside functions included."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     top = set(map(id, tree.body))
     for node in ast.walk(tree):
@@ -46,19 +47,34 @@ def _imports(module: str, path: Path):
             base = node.module
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                if sub in MODULES:
+                if sub in modules:
                     yield sub, [], id(node) in top
                 else:
                     yield base, [alias.name], id(node) in top
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("moe_lab.") and alias.name in MODULES:
+                if alias.name.startswith("moe_lab.") and alias.name in modules:
                     yield alias.name, [], id(node) in top
 
 
-def _graph() -> dict[str, set[str]]:
-    """module -> the moe_lab modules it imports (at any level: a deferred import is still a dependency)."""
-    return {m: {dep for dep, _, _ in _imports(m, p) if dep != m and dep in MODULES} for m, p in MODULES.items()}
+def _packages_entered(module: str, dep: str) -> set[str]:
+    """The packages whose ``__init__`` importing ``dep`` runs first, from ``module``: each package above it
+    that ``module`` is not already inside (below the root, which every module sits under; its own imports are
+    checked like any module's)."""
+    parts = dep.split(".")
+    above = {".".join(parts[:i]) for i in range(2, len(parts))}
+    return {p for p in above if not module.startswith(p + ".") and module != p}
+
+
+def _graph(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    """module -> the moe_lab modules it depends on: what it imports at any level (a deferred import inside a
+    function is still a dependency: it runs whenever that function does) and the ``__init__`` of each package
+    it enters to get there."""
+    graph = {}
+    for m, p in modules.items():
+        deps = {dep for dep, _, _ in _imports(m, p, modules) if dep != m and dep in modules}
+        graph[m] = deps | {pkg for dep in deps for pkg in _packages_entered(m, dep) if pkg in modules}
+    return graph
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -68,10 +84,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     def visit(m: str):
         state[m] = 1
         stack.append(m)
-        for dep in sorted(graph[m]):
-            # a package's __init__ re-exporting its own submodules is not a circle
-            if dep.startswith(m + ".") or m.startswith(dep + "."):
-                continue
+        for dep in sorted(graph[m]):  # a package's __init__ and its submodules too: a circle through it is one
             if state.get(dep) == 1:
                 return stack[stack.index(dep):] + [dep]
             if dep not in state and (found := visit(dep)):
@@ -93,6 +106,41 @@ def test_no_import_circle():
 def test_cycle_finder_finds_a_planted_circle():
     graph = {"moe_lab.a": {"moe_lab.b"}, "moe_lab.b": {"moe_lab.c"}, "moe_lab.c": {"moe_lab.a"}}
     assert _cycle(graph) == ["moe_lab.a", "moe_lab.b", "moe_lab.c", "moe_lab.a"]
+
+
+def _plant(tmp_path: Path, sources: dict[str, str]) -> dict[str, Path]:
+    modules = {}
+    for name, text in sources.items():
+        path = tmp_path / f"{name.replace('.', '_')}.py"
+        path.write_text(text, encoding="utf-8")
+        modules[name] = path
+    return modules
+
+
+def test_a_circle_closed_by_a_function_level_import_is_found(tmp_path):
+    """The package's __init__ exports a module whose function imports (lazily) a sibling that imports back
+    from the package: the shape of audit/__init__ -> replay_check -> check_trace -> audit."""
+    modules = _plant(tmp_path, {
+        "moe_lab.p": "from moe_lab.p.api import f\n",
+        "moe_lab.p.api": "def f():\n    from moe_lab.p.command import g\n    return g()\n",
+        "moe_lab.p.command": "from moe_lab.p import f\n\ndef g():\n    return f\n"})
+    assert _cycle(_graph(modules)) == ["moe_lab.p", "moe_lab.p.api", "moe_lab.p.command", "moe_lab.p"]
+    modules = _plant(tmp_path, {  # the same without the lazy import back: no circle
+        "moe_lab.p": "from moe_lab.p.api import f\n",
+        "moe_lab.p.api": "def f():\n    return 1\n",
+        "moe_lab.p.command": "from moe_lab.p import f\n"})
+    assert _cycle(_graph(modules)) is None
+
+
+def test_a_circle_through_a_package_init_entered_from_outside_is_found(tmp_path):
+    """Importing moe_lab.p.b from outside p runs p's __init__ first: what that __init__ reaches (here lazily)
+    is a dependency of the importer."""
+    modules = _plant(tmp_path, {
+        "moe_lab.p": "from moe_lab.p.a import f\n",
+        "moe_lab.p.a": "def f():\n    from moe_lab.q import h\n    return h\n",
+        "moe_lab.p.b": "X = 1\n",
+        "moe_lab.q": "from moe_lab.p.b import X\n\ndef h():\n    return X\n"})
+    assert _cycle(_graph(modules)) == ["moe_lab.p", "moe_lab.p.a", "moe_lab.q", "moe_lab.p"]
 
 
 def test_no_private_name_imported_across_modules():

@@ -14,11 +14,10 @@ import torch
 
 from moe_lab.audit import check_trace
 from moe_lab.cli import main
-from moe_lab.formats import slime, vllm
-from moe_lab.formats.jsonl import write_line
 from moe_lab.formats.native import save_with_tokens
 from moe_lab.routing import record
 from trace_dumps import full_sequence, generate_routes, layout_fields, load, tiny_checkpoint, write_jsonl
+from trace_writers import write_line, write_slime, write_vllm
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 11, 12], [1, 4, 4, 8, 20, 31, 6]]
 
@@ -70,7 +69,7 @@ def test_a_full_length_teacher_forced_trace_agrees_too(dumped, tmp_path, capsys)
 
 def _vllm_rows(seq, config) -> np.ndarray:
     """vLLM's decoder-layer rows [S - 1, 3, K] of a generation (row 0 is the dense layer: zeros)."""
-    return vllm.write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1).astype(np.int64)
+    return write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1).astype(np.int64)
 
 
 def _inject(fault: str, rows: np.ndarray) -> tuple[np.ndarray, int]:
@@ -141,7 +140,7 @@ def test_moe_lab_trace_files_and_slime_dumps_are_read(dumped, tmp_path, capsys):
     save_with_tokens(tmp_path / "t.safetensors", trace, out_ids, torch.ones_like(out_ids))
     code, out, _ = _run(capsys, tmp_path / "t.safetensors", path)
     assert code == 0 and _agreement(out) == 1.0
-    slime.write_slime(tmp_path / "rollout_0.pt", seqs, config=config)
+    write_slime(tmp_path / "rollout_0.pt", seqs, config=config)
     code, out, _ = _run(capsys, tmp_path / "rollout_0.pt", path)
     assert code == 0 and _agreement(out) == 1.0 and "layout slime" in out
 

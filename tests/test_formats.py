@@ -10,13 +10,14 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_lab.formats import nemo_rl, prime_rl, sglang, slime, verl, vllm
-from moe_lab.formats.jsonl import detect_line, parse_line, read_input, write_line
+from moe_lab.formats import nemo_rl, prime_rl, sglang, verl, vllm
+from moe_lab.formats.jsonl import detect_line, parse_line, read_input
 from moe_lab.formats.layers import AmbiguousLayerAxis, layer_map, layer_maps, moe_layer_indices
 from moe_lab.formats.native import save_with_tokens
 from moe_lab.formats.routes import Routes, RoutedSequence, to_trace
 from moe_lab.routing import record, replay
 from trace_dumps import EXPERTS, TOP_K, full_sequence, generate_routes, layout_fields, load, tiny_checkpoint
+from trace_writers import write_line, write_nemo_rl, write_prime_rl, write_sglang, write_slime, write_verl, write_vllm
 
 SMALL = dict(vocab_size=16, hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2,
              num_experts_per_tok=2, max_position_embeddings=32)
@@ -87,24 +88,24 @@ def test_every_jsonl_layout_round_trips(layout):
 def test_vllm_sglang_prime_rl_with_a_start_and_either_numbering_round_trip(layers):
     r = _random_routes(start_missing=3)
     S = r.num_positions
-    assert vllm.decode_vllm(vllm.write_vllm(r, config=CONFIG, layers=layers), config=CONFIG, num_tokens=S).equals(r)
-    text = sglang.write_sglang(r, config=CONFIG, start=3, layers=layers)
+    assert vllm.decode_vllm(write_vllm(r, config=CONFIG, layers=layers), config=CONFIG, num_tokens=S).equals(r)
+    text = write_sglang(r, config=CONFIG, start=3, layers=layers)
     assert sglang.decode_sglang(text, config=CONFIG, num_tokens=S, start=3).equals(r)
-    obj = prime_rl.write_prime_rl(r, config=CONFIG, start=3, layers=layers)
+    obj = write_prime_rl(r, config=CONFIG, start=3, layers=layers)
     assert obj["start"] == 3 and obj["dtype"] == "uint8"
     assert prime_rl.decode_prime_rl(obj, config=CONFIG, num_tokens=S).equals(r)
-    env = nemo_rl.write_nemo_rl(r, config=CONFIG, layers=layers)
+    env = write_nemo_rl(r, config=CONFIG, layers=layers)
     assert env.startswith(f"nrlre1:int16:{S}x{2 if layers == 'moe' else 3}x{TOP_K}:")
     assert nemo_rl.decode_nemo_rl(env, config=CONFIG, num_tokens=S).equals(r)
 
 
 def test_verl_batch_slime_file_and_moe_lab_trace_file_round_trip(tmp_path):
     seqs = [_seq(_random_routes(S=9, seed=1)), _seq(_random_routes(S=11, seed=2))]
-    rows, mask = verl.write_verl([s.routes for s in seqs], config=CONFIG, seq_len=14, prompt_lens=[4, 4],
+    rows, mask = write_verl([s.routes for s in seqs], config=CONFIG, seq_len=14, prompt_lens=[4, 4],
                                  prompt_width=6)
     back = verl.decode_verl(rows, mask, config=CONFIG)
     assert all(b.equals(s.routes) for b, s in zip(back, seqs))
-    slime.write_slime(tmp_path / "rollout_0.pt", seqs, config=CONFIG)
+    write_slime(tmp_path / "rollout_0.pt", seqs, config=CONFIG)
     read = read_input(tmp_path / "rollout_0.pt", CONFIG)
     assert all(r.routes.equals(s.routes) and torch.equal(r.tokens, s.tokens) for r, s in zip(read, seqs))
     assert torch.equal(read[1].engine_logprobs, seqs[1].engine_logprobs)
@@ -120,7 +121,7 @@ def test_missing_routes_are_a_mask_never_expert_0():
     ids1, mask1 = vllm.read_vllm(torch.zeros(2, 2, 1, dtype=torch.int16), config=top1)
     assert mask1.all() and (ids1 == 0).all()  # top_k 1: a zero row IS expert 0 (it cannot be told apart)
     final_placeholder = Routes(torch.tensor([[[4, 6], [0, 1]]] * 2), torch.ones(2, 2, dtype=torch.bool))
-    placeholder = nemo_rl.write_nemo_rl(final_placeholder, config=CONFIG)
+    placeholder = write_nemo_rl(final_placeholder, config=CONFIG)
     assert nemo_rl.decode_nemo_rl(placeholder, config=CONFIG).mask_LS[:, 1].logical_not().all()
 
 
@@ -164,7 +165,7 @@ def test_imported_routes_replay_bit_identical_to_moe_lab_r3(model_and_routes, tm
     torch.manual_seed(3)
     [seq] = generate_routes(model, [prompt[0].tolist()], 6, seed=3)
     assert torch.equal(seq.tokens, out[0])
-    dump = vllm.write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1)  # [S - 1, 3 decoder layers, K] int16
+    dump = write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1)  # [S - 1, 3 decoder layers, K] int16
     routes = vllm.decode_vllm(dump, config=config, num_tokens=seq.num_tokens)
     imported = to_trace([routes], num_experts=EXPERTS, family="qwen3_moe", positions=seq.num_tokens - 1)
     assert torch.equal(imported.indices, own.indices)
@@ -220,7 +221,7 @@ def test_a_trace_file_without_its_tokens_and_a_pickle_are_refused_in_one_line(tm
 
 def test_verl_rows_in_jsonl_are_read_with_format_verl(tmp_path):
     seq = _seq(_random_routes(seed=4))
-    rows = vllm.write_vllm(seq.routes, config=CONFIG).tolist()
+    rows = write_vllm(seq.routes, config=CONFIG).tolist()
     (tmp_path / "v.jsonl").write_text(write_line(seq, {"routed_experts": rows}) + "\n")
     [back] = read_input(tmp_path / "v.jsonl", CONFIG, "verl")
     assert back.routes.layout == "verl" and back.routes.equals(seq.routes)

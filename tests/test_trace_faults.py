@@ -19,11 +19,10 @@ import torch
 
 from moe_lab.audit import trace_report
 from moe_lab.cli import main
-from moe_lab.formats import sglang, vllm
-from moe_lab.formats.jsonl import write_line
 from moe_lab.formats.routes import RoutedSequence, Routes
 from trace_dumps import (EXPERTS, TOP_K, forward_routes, generate_routes, layout_fields, load, older_policy,
                          tiny_checkpoint, tiny_multimodal_qwen35, write_jsonl)
+from trace_writers import write_line, write_vllm
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 11, 12], [1, 4, 4, 8, 20, 31, 6]]
 LAYOUTS = ["vllm", "vllm_split", "sglang", "nemo_rl", "prime_rl"]
@@ -67,7 +66,7 @@ def _rows_file(path, seqs, rows_list) -> object:
 
 def _decoder_rows(seq, config) -> np.ndarray:
     """vLLM's rows [S - 1, every decoder layer, K] of a generation (dense rows zero)."""
-    return vllm.write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1).astype(np.int64)
+    return write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1).astype(np.int64)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -215,7 +214,7 @@ def test_a_draft_router_overwriting_layer_0_is_named(dumped, tmp_path, capsys, l
     path, config, seqs, _ = dumped
     rows = []
     for s in seqs:
-        r = vllm.write_vllm(s.routes, config=config, stop=s.num_tokens - 1, layers=layout).astype(np.int64)
+        r = write_vllm(s.routes, config=config, stop=s.num_tokens - 1, layers=layout).astype(np.int64)
         r[:, 0] = _draft_ids(s)
         rows.append(r)
     code, out, _ = _run(capsys, _rows_file(tmp_path / "l.jsonl", seqs, rows), path)

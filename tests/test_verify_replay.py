@@ -15,11 +15,9 @@ import torch
 
 from moe_lab.audit import ReplayVerdict, assert_replay_ok, verify_replay
 from moe_lab.cli import main
-from moe_lab.formats import vllm
-from moe_lab.formats.jsonl import write_line
-from moe_lab.formats.routes import RoutedSequence, encode
-from moe_lab.formats.verl import write_verl
+from moe_lab.formats.routes import RoutedSequence
 from trace_dumps import generate_routes, load, tiny_checkpoint, write_jsonl
+from trace_writers import encode, write_line, write_verl, write_vllm
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 11, 12], [1, 4, 4, 8, 20, 31, 6]]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "traces.md"
@@ -72,7 +70,7 @@ def _verl_batch(seqs, config, shift: bool = False) -> dict:
 
 
 def _vllm_rows(seq, config, shift: bool = False) -> np.ndarray:
-    rows = vllm.write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1).astype(np.int64)
+    rows = write_vllm(seq.routes, config=config, stop=seq.num_tokens - 1).astype(np.int64)
     if shift:
         rows[:, :-1], rows[:, -1] = rows[:, 1:].copy(), 0
     return rows

@@ -13,9 +13,8 @@ import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
                           Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from moe_lab.formats import nemo_rl, prime_rl, sglang, vllm
-from moe_lab.formats.jsonl import write_line
 from moe_lab.formats.routes import Routes, RoutedSequence
+from trace_writers import write_line, write_nemo_rl, write_prime_rl, write_sglang, write_vllm, write_vllm_split
 
 VOCAB, TOP_K, EXPERTS = 48, 2, 8
 _GATE = re.compile(r"\.layers\.(\d+)\.mlp\.gate$")
@@ -167,21 +166,21 @@ def full_sequence(tokens, prompt_len, ids_LSK, S, logp=None, where="") -> Routed
 
 
 def layout_fields(layout: str, seq: RoutedSequence, config: dict) -> dict:
-    """A JSONL line's routed-experts fields for ``seq`` in ``layout`` (the writers of moe_lab.formats)."""
+    """A JSONL line's routed-experts fields for ``seq`` in ``layout`` (the writers of tests/trace_writers.py)."""
     r, n = seq.routes, seq.num_tokens
     stop = int(r.mask_LS.any(0).nonzero().max()) + 1 if r.mask_LS.any() else 0
     if layout == "vllm":  # every decoder layer, zeros in the dense one (the form verl #5037 met)
-        return {"routed_experts": vllm.write_vllm(r, config=config, stop=stop).tolist()}
+        return {"routed_experts": write_vllm(r, config=config, stop=stop).tolist()}
     if layout == "vllm_split":  # the OpenAI server: the prompt's rows on the response, the rest on the choice
-        prompt_rows, rest = vllm.write_vllm_split(r, config=config, prompt_len=seq.prompt_len, layers="moe", stop=stop)
+        prompt_rows, rest = write_vllm_split(r, config=config, prompt_len=seq.prompt_len, layers="moe", stop=stop)
         return {"prompt_routed_experts": prompt_rows, "routed_experts": rest}
     if layout == "sglang":  # SGLang's capture buffer: every decoder layer (num_hidden_layers)
-        return {"routed_experts": sglang.write_sglang(r, config=config, stop=stop, layers="decoder"),
+        return {"routed_experts": write_sglang(r, config=config, stop=stop, layers="decoder"),
                 "routed_experts_start_len": 0}
     if layout == "nemo_rl":  # every decoder layer, NeMo-RL's placeholder route in the dense ones and the last row
-        return {"routed_experts": nemo_rl.write_nemo_rl(r, config=config, layers="decoder", stop=n)}
+        return {"routed_experts": write_nemo_rl(r, config=config, layers="decoder", stop=n)}
     if layout == "prime_rl":
-        return {"routed_experts": prime_rl.write_prime_rl(r, config=config, stop=stop, layers="decoder")}
+        return {"routed_experts": write_prime_rl(r, config=config, stop=stop, layers="decoder")}
     raise ValueError(layout)
 
 

@@ -1,6 +1,6 @@
 """`moe-lab check-trace` inside a trainer's loop or CI: ``verify_replay(model, routes, input_ids)`` gives, for
 one batch already in memory, the verdict the command gives for a dump of the same sequences (the same code:
-``check_trace.run_check``, the same report lines, agreement and fault names), and ``assert_replay_ok`` raises
+``trace_audit.run_check``, the same report lines, agreement and fault names), and ``assert_replay_ok`` raises
 AssertionError carrying that verdict (docs/traces.md, "In a trainer's test").
 
 ``model``: a transformers model of a family moe_lab serves (unwrap DDP/FSDP first); it runs in eval() mode
@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from moe_lab.audit.trace_audit import check_inputs, report_lines, run_check  # torch-free at import
+
 
 @dataclass(frozen=True)
 class ReplayVerdict:
@@ -55,7 +57,6 @@ def verify_replay(model: Any, routes: Any, input_ids: Any, *, attention_mask: An
                   prompt_len: int | Sequence[int] = 0) -> ReplayVerdict:
     """The check-trace verdict for one batch (see the module docstring for what each argument may be).
     ValueError (one line) where the command would exit 2."""
-    from moe_lab.audit.check_trace import check_inputs, report_lines, run_check
     from moe_lab.audit.trace_run import input_device
 
     config = json.loads(model.config.to_json_string(use_diff=True))  # what save_pretrained writes: config.json

@@ -21,8 +21,8 @@ TIMING_PREFIX = "perf/"
 SOFTWARE_KEYS = ("cpu_capability", "blas", "mkl", "mkldnn", "threads", "machine", "env")
 # packages whose version changes numbers (moe_lab's own version is the code: reported, never an excuse)
 PACKAGES = ("python", "torch", "transformers", "numpy", "safetensors")
-UNKNOWN_PROCESSOR = "machine unknown (manifest predates processor recording)"
-UNKNOWN_MACHINE = "machine unknown (manifest predates machine recording)"
+UNKNOWN_PROCESSOR = "machine unknown (the manifest records no processor)"
+UNKNOWN_MACHINE = "machine unknown (the manifest records no machine)"
 
 
 @dataclass(frozen=True)

@@ -58,22 +58,50 @@ def _start(line: dict) -> int:
     return start
 
 
-def _decode_line(layout: str, line: dict, config: Any, n: int, layers: str) -> Routes:
+def _read_vllm(line: dict, config: Any, n: int, layers: str) -> Routes:
     value = line.get("routed_experts")
-    if layout == "vllm":
-        return decode_vllm(value if value is not None else [], config=config, num_tokens=n, layers=layers,
-                           prompt_routed_experts=line.get("prompt_routed_experts"))
-    if layout == "sglang":
-        return decode_sglang(value, config=config, num_tokens=n, start=_start(line), layers=layers)
-    if layout == "nemo_rl":
-        return nemo_rl.decode_nemo_rl(value, config=config, num_tokens=n, layers=layers)
-    if layout == "prime_rl":
-        if not prime_rl.is_prime_rl(value):
-            raise ValueError("routed_experts: expected a prime-rl object with data and shape")
-        return prime_rl.decode_prime_rl(value, config=config, num_tokens=n, layers=layers)
-    if layout == "verl":
-        return decode(value, config, num_tokens=n, layout="verl", layers=layers)
-    raise ValueError(f"format={layout!r}; allowed {', '.join(LINE_FORMATS)} on a JSONL line")
+    return decode_vllm(value if value is not None else [], config=config, num_tokens=n, layers=layers,
+                       prompt_routed_experts=line.get("prompt_routed_experts"))
+
+
+def _read_sglang(line: dict, config: Any, n: int, layers: str) -> Routes:
+    return decode_sglang(line.get("routed_experts"), config=config, num_tokens=n, start=_start(line), layers=layers)
+
+
+def _read_nemo_rl(line: dict, config: Any, n: int, layers: str) -> Routes:
+    return nemo_rl.decode_nemo_rl(line.get("routed_experts"), config=config, num_tokens=n, layers=layers)
+
+
+def _read_prime_rl(line: dict, config: Any, n: int, layers: str) -> Routes:
+    value = line.get("routed_experts")
+    if not prime_rl.is_prime_rl(value):
+        raise ValueError("routed_experts: expected a prime-rl object with data and shape")
+    return prime_rl.decode_prime_rl(value, config=config, num_tokens=n, layers=layers)
+
+
+def _read_verl(line: dict, config: Any, n: int, layers: str) -> Routes:
+    return decode(line.get("routed_experts"), config, num_tokens=n, layout="verl", layers=layers)
+
+
+# Each JSONL layout's reader: (the line, the model's config, the sequence's number of tokens, the layer
+# numbering: --layers or "auto") -> Routes. formats.names.LINE_FORMATS holds the same names for the command
+# line's parser, which must not import torch: a name in one and not in the other fails on import.
+LINE_READERS: dict[str, Callable[[dict, Any, int, str], Routes]] = {
+    "vllm": _read_vllm,
+    "sglang": _read_sglang,
+    "nemo_rl": _read_nemo_rl,
+    "prime_rl": _read_prime_rl,
+    "verl": _read_verl,
+}
+if set(LINE_READERS) != set(LINE_FORMATS):
+    raise ImportError(f"moe_lab.formats: layouts with a reader {sorted(LINE_READERS)} are not the layouts "
+                      f"formats.names.LINE_FORMATS names {sorted(LINE_FORMATS)}")
+
+
+def _decode_line(layout: str, line: dict, config: Any, n: int, layers: str) -> Routes:
+    if layout not in LINE_READERS:
+        raise ValueError(f"format={layout!r}; allowed {', '.join(LINE_FORMATS)} on a JSONL line")
+    return LINE_READERS[layout](line, config, n, layers)
 
 
 def _ids(line: dict, key: str) -> torch.Tensor:
@@ -212,12 +240,3 @@ def _read_slime(path: Path, config: Any, layers: str) -> list[RoutedSequence]:
     from moe_lab.formats.slime import read_slime
 
     return read_slime(path, config, layers)
-
-
-def write_line(seq: RoutedSequence, line_routes: dict) -> str:
-    """One JSONL line: the tokens of ``seq`` and the layout fields in ``line_routes``."""
-    completion = seq.tokens[seq.prompt_len:].tolist()
-    line = {"prompt_ids": seq.tokens[: seq.prompt_len].tolist(), "completion_ids": completion, **line_routes}
-    if seq.engine_logprobs is not None:
-        line["completion_logprobs"] = seq.engine_logprobs.tolist()
-    return json.dumps(line)

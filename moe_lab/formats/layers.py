@@ -66,7 +66,8 @@ MOE_LAYER_RULES: dict[str, Callable[[Any, int], bool]] = {
     "olmoe": _every_layer,
     "mixtral": _every_layer,
     "gpt_oss": _every_layer,
-    # families_2026: Qwen3-Next as Qwen3-MoE; Qwen3.5-MoE's text model and MiniMax-M2 are MoE in every layer
+    # Qwen3-Next's config carries Qwen3-MoE's fields (mlp_only_layers, decoder_sparse_step); Qwen3.5-MoE's text
+    # model and MiniMax-M2 have no dense decoder layer
     "qwen3_next": _qwen_moe,
     "qwen3_5_moe_text": _every_layer,
     "minimax_m2": _every_layer,

@@ -1,8 +1,8 @@
 """moe_lab's own trace file (routing.Trace, safetensors) with the tokens it routed, as check-trace input.
 
 ``Trace.save`` keeps ids only; ``save_with_tokens`` adds ``input_ids`` and ``attention_mask`` [B, S] (the
-left-padded batch fed to the model) and optionally ``prompt_lens`` [B], in the same file - ``Trace.load`` still
-reads it. The trace's columns are the batch's first columns: S of them for a teacher-forced forward, S - 1 for
+left-padded batch fed to the model) and optionally ``prompt_lens`` [B], in the same file, so that one file is
+both a trace ``Trace.load`` reads (it takes only the tensors it knows) and a check-trace input. The trace's columns are the batch's first columns: S of them for a teacher-forced forward, S - 1 for
 generate() (its last sampled token is never forwarded).
 """
 

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from moe_lab.formats.layers import LAYOUT_AXES, layer_map
-from moe_lab.formats.routes import Routes, decode, encode
+from moe_lab.formats.routes import Routes, decode
 
 PREFIX = "nrlre1"
 DTYPES = ("int8", "int16", "int32")  # NeMo-RL's wire dtypes (signed: -1 must be representable)
-_ENVELOPE = re.compile(r"^nrlre1:([a-z0-9]+):(\d+)x(\d+)x(\d+):([A-Za-z0-9+/=_-]*)$")
+_ENVELOPE = re.compile(rf"^{PREFIX}:([a-z0-9]+):(\d+)x(\d+)x(\d+):([A-Za-z0-9+/=_-]*)$")
 
 
 def is_envelope(value: Any) -> bool:
@@ -49,10 +49,15 @@ def parse_envelope(value: str, what: str = "routed_experts") -> torch.Tensor:
                             .reshape(S, L, K))
 
 
+def placeholder_route(k: int) -> torch.Tensor:
+    """The route NeMo-RL writes where it has none: experts 0, 1, ..., k-1."""
+    return torch.arange(k)
+
+
 def _placeholder_SA(rows_SAK: torch.Tensor) -> torch.Tensor:
-    """(position, layer row) cells holding NeMo-RL's placeholder route 0, 1, ..., K-1."""
+    """(position, layer row) cells holding NeMo-RL's placeholder route."""
     K = rows_SAK.shape[2]
-    return (rows_SAK == torch.arange(K)).all(-1) if K > 1 else torch.zeros(rows_SAK.shape[:2], dtype=torch.bool)
+    return (rows_SAK == placeholder_route(K)).all(-1) if K > 1 else torch.zeros(rows_SAK.shape[:2], dtype=torch.bool)
 
 
 def decode_nemo_rl(envelope: str, *, config: Any, num_tokens: int | None = None, layers: str = "auto") -> Routes:
@@ -69,22 +74,3 @@ def decode_nemo_rl(envelope: str, *, config: Any, num_tokens: int | None = None,
         tail = int(held.all(1).flip(0).long().cumprod(0).sum())  # trailing positions placeholder in every layer
         rows[rows.shape[0] - tail:] = -1
     return decode(rows, config, num_tokens=num_tokens, layers=lmap.kind, layout="nemo_rl")
-
-
-def write_nemo_rl(routes: Routes, *, config: Any, dtype: str = "int16", layers: str = "moe",
-                  stop: int | None = None) -> str:
-    """Routes -> the envelope as NeMo-RL writes it: -1 where a route is missing inside the engine's rows, the
-    placeholder route 0..K-1 in the rows of dense or MTP layers and in the trailing positions without any
-    route (``pad_and_align_routed_expert_indices``)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; allowed {', '.join(DTYPES)}")
-    rows = encode(routes, config, layers=layers, missing=-1, stop=stop)
-    lmap = layer_map(config, rows.shape[1], layers)
-    placeholder = torch.arange(rows.shape[2])
-    rows[:, list(lmap.dropped)] = placeholder
-    covered = routes.mask_LS[:, : rows.shape[0]].any(0)
-    last = int(covered.nonzero().max()) + 1 if covered.any() else 0
-    rows[last:] = placeholder
-    rows = rows.numpy().astype(np.dtype(dtype).newbyteorder("<"))
-    S, L, K = rows.shape
-    return f"{PREFIX}:{dtype}:{S}x{L}x{K}:{base64.b64encode(rows.tobytes()).decode('ascii')}"

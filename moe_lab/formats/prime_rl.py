@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_lab.formats.routes import Routes, decode, encode
+from moe_lab.formats.routes import Routes, decode
 
 DTYPES = ("uint8", "uint16", "int16", "int32")
 KEYS = ("data", "shape")
@@ -48,14 +48,3 @@ def decode_prime_rl(value: dict, *, config: Any, num_tokens: int | None = None, 
         raise ValueError(f"{what}.start={start!r}; allowed an int >= 0")
     return decode(_rows(value, what), config, start=start, num_tokens=num_tokens, layers=layers,
                   layout="prime_rl", what=what)
-
-
-def write_prime_rl(routes: Routes, *, config: Any, start: int = 0, stop: int | None = None,
-                   dtype: str | None = None, layers: str = "moe") -> dict:
-    """Routes -> the dict; dtype uint8 when every id fits, else uint16."""
-    rows = encode(routes, config, layers=layers, missing=0, start=start, stop=stop)
-    if dtype is None:
-        dtype = "uint8" if (int(rows.max()) if rows.numel() else 0) < 256 else "uint16"
-    data = rows.numpy().astype(np.dtype(dtype).newbyteorder("<")).tobytes()
-    return {"data": base64.b64encode(data).decode("ascii"), "shape": list(rows.shape), "start": start,
-            "dtype": dtype}

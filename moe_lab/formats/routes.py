@@ -4,9 +4,9 @@
 completion tokens, 0-based) and each of the top_k slots, the expert id; ``mask_LS`` says which (layer,
 position) slots carry a route. Where the mask is False the ids are -1: a missing route is never expert 0.
 
-Every layout reader goes through ``decode`` (rows of any layer numbering -> Routes) and every writer through
-``encode`` (Routes -> rows of a chosen numbering), so the layer-axis mapping (formats.layers), the position
-window and the missing-route markers are decided in one place.
+Every layout reader goes through ``decode`` (rows of any layer numbering -> Routes), so the layer-axis mapping
+(formats.layers), the position window and the missing-route markers are decided in one place (the tests'
+writers, tests/trace_writers.py, invert it through the same layer maps).
 
 A layout's rows are missing when an id is negative (NeMo-RL writes -1) or, for top_k > 1, when all of a
 row's ids are 0 (vLLM and SGLang zero-fill: a real top-k row never repeats an expert). For top_k == 1 an
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_lab.formats.layers import LAYOUT_AXES, LayerMap, layer_map, layer_maps, top_k
+from moe_lab.formats.layers import LAYOUT_AXES, LayerMap, layer_map, top_k
 from moe_lab.routing.trace import Trace, index_dtype
 
 Tensor = torch.Tensor
@@ -55,10 +55,6 @@ class Routes:
     @property
     def top_k(self) -> int:
         return self.ids_LSK.shape[2]
-
-    def covered_positions(self) -> Tensor:
-        """Positions where at least one layer carries a route."""
-        return self.mask_LS.any(0).nonzero().squeeze(1)
 
     def equals(self, other: "Routes") -> bool:
         return (self.ids_LSK.shape == other.ids_LSK.shape and torch.equal(self.mask_LS, other.mask_LS)
@@ -118,7 +114,10 @@ def decode(rows_SAK: Any, config: Any, *, start: int = 0, num_tokens: int | None
                          f"num_experts_per_tok={k}")
     if start < 0:
         raise ValueError(f"{what}: start={start}; allowed an int >= 0")
-    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES.get(layout))
+    if layout not in LAYOUT_AXES:  # a layout added without saying which numberings its producer writes
+        raise ValueError(f"layout={layout!r} has no entry in formats.layers.LAYOUT_AXES; allowed "
+                         f"{', '.join(LAYOUT_AXES)}")
+    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES[layout])
     S = start + rows.shape[0] if num_tokens is None else int(num_tokens)
     excess = max(0, start + rows.shape[0] - S)
     rows = rows[: max(0, rows.shape[0] - excess)]
@@ -141,37 +140,6 @@ def _dropped_nonzero(rows_SAK: Tensor, lmap: LayerMap) -> tuple[int, ...]:
         return ()
     carries_A = (~_missing_SA(rows_SAK[:, dropped])).any(0)  # a missing-route marker is not an id
     return tuple(r for r, nz in zip(dropped, carries_A.tolist()) if nz)
-
-
-def encode(routes: Routes, config: Any, *, layers: str = "moe", missing: int = 0, start: int = 0,
-           stop: int | None = None) -> Tensor:
-    """Routes -> int64 rows [positions start..stop, layer axis of numbering ``layers``, top_k].
-
-    Missing slots and the rows the numbering adds (dense, MTP) are filled with ``missing`` (0: vLLM, SGLang;
-    -1: NeMo-RL).
-    """
-    lmap = layer_map(config, _axis_len(config, layers), layers)
-    if len(lmap.rows) != routes.num_layers:
-        raise ValueError(f"routes: {routes.num_layers} MoE layers, the model's config has {len(lmap.rows)}")
-    stop = routes.num_positions if stop is None else stop
-    ids_SLK = routes.ids_LSK[:, start:stop].permute(1, 0, 2)
-    ids_SLK = ids_SLK.masked_fill(~routes.mask_LS[:, start:stop].T[..., None], missing)
-    rows = torch.full((ids_SLK.shape[0], lmap.axis_len, routes.top_k), missing, dtype=torch.int64)
-    rows[:, list(lmap.rows)] = ids_SLK
-    return rows
-
-
-def _axis_len(config: Any, kind: str) -> int:
-    maps = layer_maps(config)
-    if kind not in maps:
-        raise ValueError(f"layers={kind!r} is not a numbering of this model; allowed {', '.join(maps)}")
-    return maps[kind].axis_len
-
-
-def covered_window(routes: Routes) -> tuple[int, int]:
-    """[first, last + 1) of the positions any layer covers ((0, 0) when none)."""
-    pos = routes.covered_positions()
-    return (0, 0) if pos.numel() == 0 else (int(pos[0]), int(pos[-1]) + 1)
 
 
 def to_trace(routes: list[Routes], *, num_experts: int, family: str, positions: int | None = None) -> Trace:

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from moe_lab.formats.layers import LAYOUT_AXES, AmbiguousLayerAxis, layer_maps, top_k
-from moe_lab.formats.routes import Routes, decode, encode
+from moe_lab.formats.routes import Routes, decode
+
+ID_DTYPE = "<i4"  # SGLang's capture buffer: little-endian int32 expert ids
 
 
 def _b64_int32(data: Any, what: str) -> torch.Tensor:
@@ -29,7 +31,7 @@ def _b64_int32(data: Any, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: not valid base64") from None
     if len(raw) % 4:
         raise ValueError(f"{what}: {len(raw)} bytes is not a whole number of int32 ids")
-    return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+    return torch.from_numpy(np.frombuffer(raw, dtype=ID_DTYPE).astype(np.int64))
 
 
 def ids_count(routed_experts: Any) -> int:
@@ -86,12 +88,3 @@ def decode_sglang(routed_experts: Any, *, config: Any, num_tokens: int | None = 
     width = maps[layers].axis_len * k
     rows = flat[: flat.numel() // width * width].reshape(-1, maps[layers].axis_len, k)
     return decode(rows, config, start=start, num_tokens=num_tokens, layers=layers, layout="sglang", what=what)
-
-
-def write_sglang(routes: Routes, *, config: Any, start: int = 0, stop: int | None = None,
-                 layers: str = "moe") -> str:
-    """Routes -> SGLang's base64 int32 string over positions [start, stop) (default stop: the last position,
-    which SGLang never covers)."""
-    stop = routes.num_positions - 1 if stop is None else stop
-    rows = encode(routes, config, layers=layers, missing=0, start=start, stop=stop)
-    return base64.b64encode(rows.numpy().astype("<i4").tobytes()).decode("ascii")

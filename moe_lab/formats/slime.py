@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moe_lab.formats.routes import RoutedSequence, as_int_tensor, decode, encode
+from moe_lab.formats.routes import RoutedSequence, as_int_tensor, decode
 
 
 def _load(path: Path) -> list[dict]:
@@ -49,17 +49,3 @@ def read_slime(path: str | Path, config: Any, layers: str = "auto") -> list[Rout
     if not samples:
         raise ValueError(f"{path}: no samples")
     return [_sequence(s, config, f"{path} sample {i}", layers) for i, s in enumerate(samples)]
-
-
-def write_slime(path: str | Path, sequences: list[RoutedSequence], *, config: Any, layers: str = "decoder",
-                rollout_id: int = 0) -> None:
-    """Sequences -> a slime-shaped debug file (int32 ids [len(tokens) - 1, layers, top_k], zeros missing)."""
-    samples = []
-    for seq in sequences:
-        rows = encode(seq.routes, config, layers=layers, missing=0, stop=seq.num_tokens - 1)
-        sample = {"tokens": seq.tokens.tolist(), "response_length": seq.num_tokens - seq.prompt_len,
-                  "rollout_routed_experts": rows.to(torch.int32), "status": "completed"}
-        if seq.engine_logprobs is not None:
-            sample["rollout_log_probs"] = seq.engine_logprobs.tolist()
-        samples.append(sample)
-    torch.save({"rollout_id": rollout_id, "samples": samples}, str(path))

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from moe_lab.formats.routes import Routes, as_int_tensor, decode, encode
+from moe_lab.formats.routes import Routes, as_int_tensor, decode
 
 
 def decode_verl(routed_experts_BSAK: Any, attention_mask_BS: Any, *, config: Any,
@@ -24,18 +22,3 @@ def decode_verl(routed_experts_BSAK: Any, attention_mask_BS: Any, *, config: Any
         raise ValueError(f"routed_experts: expected [batch, seq, layers, top_k] over attention_mask "
                          f"{tuple(mask.shape)}, got {tuple(rows.shape)}")
     return [decode(rows[b][mask[b]], config, layers=layers, layout="verl") for b in range(rows.shape[0])]
-
-
-def write_verl(routes: list[Routes], *, config: Any, seq_len: int, prompt_lens: list[int],
-               prompt_width: int, layers: str = "decoder") -> tuple[torch.Tensor, torch.Tensor]:
-    """Routes -> (routed_experts [batch, seq_len, layers, top_k] int64, attention_mask [batch, seq_len]):
-    prompt right-aligned in the first ``prompt_width`` columns, response from column ``prompt_width`` on."""
-    out, mask = None, torch.zeros(len(routes), seq_len, dtype=torch.int64)
-    for b, (r, p) in enumerate(zip(routes, prompt_lens)):
-        rows = encode(r, config, layers=layers, missing=0)
-        if out is None:
-            out = torch.zeros(len(routes), seq_len, *rows.shape[1:], dtype=torch.int64)
-        cols = [*range(prompt_width - p, prompt_width), *range(prompt_width, prompt_width + r.num_positions - p)]
-        out[b, cols] = rows
-        mask[b, cols] = 1
-    return out, mask

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
-from moe_lab.formats.routes import Routes, as_int_tensor, decode, encode
+from moe_lab.formats.routes import Routes, as_int_tensor, decode
 
 Tensor = torch.Tensor
 
@@ -49,16 +48,3 @@ def read_vllm(routed_experts: Any, *, config: Any, num_tokens: int | None = None
         raise ValueError(f"routed_experts: {routes.excess} rows beyond num_tokens={num_tokens} (a trace longer "
                          "than its tokens)")
     return routes.ids_LSK, routes.mask_LS
-
-
-def write_vllm(routes: Routes, *, config: Any, layers: str = "decoder", stop: int | None = None) -> np.ndarray:
-    """Routes -> vLLM rows [positions 0..stop, layers, top_k] int16 with zeros for dense layers and missing
-    routes (``layers="moe"``: the MoE layers only)."""
-    return encode(routes, config, layers=layers, missing=0, stop=stop).numpy().astype(np.int16)
-
-
-def write_vllm_split(routes: Routes, *, config: Any, prompt_len: int, layers: str = "decoder",
-                     stop: int | None = None) -> tuple[list, list]:
-    """The OpenAI server's two fields as JSON lists: (prompt_routed_experts, routed_experts)."""
-    rows = write_vllm(routes, config=config, layers=layers, stop=stop)
-    return rows[:prompt_len].tolist(), rows[prompt_len:].tolist()
