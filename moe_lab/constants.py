@@ -35,7 +35,7 @@ ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "ti
 ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_BOUNDS)
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss",
-            # added since (moe_lab/models/families_2026.py)
+            # declared in moe_lab/models/families_2026.py
             "glm4_moe", "qwen3_5_moe", "qwen3_next", "minimax_m2", "dots1", "deepseek_v32", "ernie4_5_moe")
 # families whose HF config has norm_topk_prob (model.norm_topk_prob may override it); the others always renormalise
 NORM_TOPK_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "dots1",
