@@ -183,7 +183,7 @@ class RLConfig:
                                               "prompt group under its own seed (seed, step, prompt index), so a "
                                               "plain run and any torchrun world size sample the same responses; "
                                               "sequential (plain runs only) samples the whole batch from one "
-                                              "run-long generator, as runs made before 2026-11-30 did",
+                                              "run-long generator: the committed references' sampling, kept so that they re-run bit for bit",
                                  choices=C.ROLLOUT_SEEDINGS)
     temperature: float = param(1.0, "sampling temperature of the rollout", gt=0.0)
     lr: float = param(1e-4, "AdamW learning rate (1e-3 collapses the sort task within 5 steps at this scale)", gt=0.0)
@@ -252,7 +252,7 @@ class RunConfig:
     threads: int = param(1, "torch intra-op threads of one run (parallel runs share the cores)", ge=1)
 
 
-# Re-exported: callers import the defaults from config since before moe_lab/constants.py existed.
+# The defaults a config's None clip and correction bounds resolve to (resolved_clip below), importable beside it.
 PAPER_CLIP = C.PAPER_CLIP
 ROLLOUT_CORRECTION_BOUNDS = C.ROLLOUT_CORRECTION_BOUNDS
 

@@ -1,6 +1,7 @@
 """The docs stay true to the code and to themselves: the config table in docs/config.md is the one generated
 from the dataclasses, every logged metric is documented, every built-in experiment has a README row with its
-true run count, and every relative link and image in README.md and docs/*.md resolves (file and #anchor)."""
+true run count, every relative link and image in README.md and docs/*.md resolves (file and #anchor), and every
+repository path they cite in a code span exists."""
 
 from __future__ import annotations
 
@@ -93,6 +94,43 @@ def test_link_checker_finds_what_is_broken(tmp_path):
 def test_every_relative_link_and_image_resolves(path):
     broken = broken_links(path)
     assert not broken, f"{path.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+# A code span that is a path of the repository: under one of its top-level folders (an optional ":name" or
+# "#anchor" after it), or a bare page name (*.md: the root's or docs/'s).
+REPO_TOPS = ("moe_lab", "tests", "docs", "scripts", "benchmarks", "experiments", "results", "notebooks")
+CITED_PATH = re.compile(rf"`((?:{'|'.join(REPO_TOPS)})/[^`\s:#]*|[\w.-]+\.md)(?:[:#][^`\s]*)?`")
+PLACEHOLDER = re.compile(r"[<>{}*…]|\b[A-Z][A-Z_]+\b")  # a path the reader fills in: experiments/NAME.yaml
+# Where runs write by default (results/paper/...): gitignored, a user's output; only these results/ are committed.
+COMMITTED_RESULTS = ("results/reference", "results/README.md")
+RECIPE_FILES = {"moe_lab/commands/algos.py"}  # docs/extending.md's recipes create it (tests/test_extending.py)
+
+
+def missing_paths(text: str) -> list[str]:
+    """The repository paths a markdown text cites in code spans (outside fenced blocks) that do not exist."""
+    missing = []
+    for cited in CITED_PATH.findall(_prose(text)):
+        if PLACEHOLDER.search(cited) or cited in RECIPE_FILES:
+            continue
+        if cited.startswith("results/") and not cited.startswith(COMMITTED_RESULTS):
+            continue
+        if not (ROOT / cited).exists() and not ("/" not in cited and (ROOT / "docs" / cited).exists()):
+            missing.append(cited)
+    return missing
+
+
+def test_path_checker_finds_what_is_missing():
+    text = ("`moe_lab/cli.py` `moe_lab/rl/health.py:check` `moe_lab/no_such.py` `gspo-notes.md` `metrics.md` "
+            "`tests/` `experiments/NAME.yaml` `results/paper/summary.csv` `results/reference/no_such/` "
+            "`moe_lab/x.py --flag` `docs/gone.md#anchor`\n```\n`moe_lab/fenced.py`\n```\n")
+    assert missing_paths(text) == ["moe_lab/no_such.py", "gspo-notes.md", "results/reference/no_such/",
+                                   "docs/gone.md"]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_cited_repository_path_exists(path):
+    missing = missing_paths(path.read_text(encoding="utf-8"))
+    assert not missing, f"{path.relative_to(ROOT)} cites paths not in the repository: {missing}"
 
 
 def test_config_table_is_the_generated_one():

@@ -19,7 +19,7 @@ from synthetic import PAPER_ARMS, write_experiment  # noqa: E402
 
 from moe_lab.analysis import endpoint_plots, endpoints, figures, results  # noqa: E402
 from moe_lab.analysis.plots import arm_label  # noqa: E402
-from moe_lab.analysis.tables import mean_ci  # noqa: E402
+from moe_lab.analysis.stats import mean_ci  # noqa: E402
 from moe_lab.launch.experiment import EndpointSpec  # noqa: E402
 
 STEPS, EVERY = 8, 2

@@ -34,7 +34,7 @@ def test_welch_interval_is_scipys():
     row = compare_arms(per_run, baseline="y").iloc[0]
     ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval()
     assert row["primary_diff"] == pytest.approx(a.mean() - b.mean(), abs=1e-12)
-    # t quantiles between table rows are interpolated in 1/df (tables.t_quantile_975): ~1e-4 of the half-width
+    # t quantiles between table rows are interpolated in 1/df (stats.t_quantile_975): ~1e-4 of the half-width
     half = (ci.high - ci.low) / 2
     assert row["primary_lo"] == pytest.approx(ci.low, abs=1e-3 * half)
     assert row["primary_hi"] == pytest.approx(ci.high, abs=1e-3 * half)

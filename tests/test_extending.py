@@ -21,7 +21,7 @@ DOC = PKG.parent / "docs" / "extending.md"
 
 def _block(name: str) -> str:
     """The code block under the marker ``<!-- recipe: name -->`` of docs/extending.md."""
-    found = re.search(rf"<!-- recipe: {name} -->\n```python\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    found = re.search(rf"<!-- recipe: {name} -->\n```\w*\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
     assert found, f"docs/extending.md: no code block marked recipe: {name}"
     return found.group(1)
 

@@ -17,6 +17,7 @@ from synthetic import PAPER_ARMS, write_experiment
 
 from moe_lab.analysis import results
 from moe_lab.analysis import stability
+from moe_lab.analysis import stats
 from moe_lab.config import PAPER_CLIP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,18 +272,18 @@ def test_base_arm_and_flatten():
 @pytest.mark.parametrize("k, n, expected", [(0, 5, (0.0, 0.4345)), (5, 10, (0.2366, 0.7634)), (1, 10, (0.0179, 0.4042)),
                                             (5, 5, (0.5655, 1.0)), (3, 3, (0.4385, 1.0))])
 def test_wilson_interval_known_values(k, n, expected):
-    assert stability.wilson_interval(k, n) == pytest.approx(expected, abs=5e-5)
+    assert stats.wilson_interval(k, n) == pytest.approx(expected, abs=5e-5)
 
 
 def test_wilson_interval_symmetry_nan_and_bad_input():
     for n in (1, 4, 7):
         for k in range(n + 1):
-            lo, hi = stability.wilson_interval(k, n)
+            lo, hi = stats.wilson_interval(k, n)
             assert 0 <= lo <= k / n <= hi <= 1
-            assert (1 - hi, 1 - lo) == pytest.approx(stability.wilson_interval(n - k, n))
-    assert all(math.isnan(v) for v in stability.wilson_interval(0, 0))
+            assert (1 - hi, 1 - lo) == pytest.approx(stats.wilson_interval(n - k, n))
+    assert all(math.isnan(v) for v in stats.wilson_interval(0, 0))
     with pytest.raises(ValueError, match="k=6"):
-        stability.wilson_interval(6, 5)
+        stats.wilson_interval(6, 5)
 
 
 @pytest.fixture
@@ -332,7 +333,7 @@ def test_summary_collapse_rate_wilson_and_median(collapsing):
     table = results.summarize(*results.load_runs(collapsing)).set_index("arm")
     row = table.loc["grpo"]
     assert (row["collapses"], row["collapse_rate"], row["collapse_step_median"]) == (1, 0.5, 10.0)
-    assert (row["collapse_rate_lo"], row["collapse_rate_hi"]) == pytest.approx(stability.wilson_interval(1, 2))
+    assert (row["collapse_rate_lo"], row["collapse_rate_hi"]) == pytest.approx(stats.wilson_interval(1, 2))
     text = results.format_summary(table.reset_index())
     assert "1/2 [0.09, 0.91]" in text and "collapse step" in text.splitlines()[0]
 

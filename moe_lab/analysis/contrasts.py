@@ -19,11 +19,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from moe_lab.analysis.endpoints import format_p, load_comparison
 from moe_lab.analysis.stats import (block_cells, block_diffs, cold_start_level, conditional, holm, permutation_p,
-                                    tost_p, welch_diff_ci)
+                                    t_half_width, tost_p, welch_diff_ci)
 from moe_lab.launch.design import Contrast, contrasts_spec
 from moe_lab.rl.run_folder import as_results
 
@@ -60,7 +59,7 @@ def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], col
     table = pd.DataFrame(rows)
     if not len(table):
         return table
-    half90 = stats.t.ppf(0.95, table["df"].astype(float)) * table["se"]  # df = inf gives the normal quantile
+    half90 = t_half_width(table["se"], table["df"].astype(float), 0.95)
     table["lo90"], table["hi90"] = table["diff"] - half90, table["diff"] + half90
     table["tost_p"] = [tost_p(d, se, df, m) if m > 0 else math.nan
                        for d, se, df, m in zip(table["diff"], table["se"], table["df"], table["margin"].fillna(0))]

@@ -1,7 +1,8 @@
 """Endpoints fixed before a multi-seed run, and every pair of arms compared on them (`moe-lab compare`).
 
 An experiment file may declare its endpoints (``endpoints:``, read by ``launch.experiment.endpoint_spec``); without one the
-defaults below apply, which are the ones the science issue fixed before its runs:
+defaults below apply, fixed before any run they judge (an endpoint chosen after seeing the data would bias the
+comparison):
 
 - primary: per seed, the mean greedy accuracy over the last 5 scheduled evaluations (eval/acc_greedy);
 - secondary: per seed, the mean sampled reward over the last 25% of the scheduled RL steps (reward/mean);
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from moe_lab.analysis.stats import permutation_p, welch_diff_ci
+from moe_lab.analysis.stats import mean_ci, permutation_p, welch_diff_ci
 from moe_lab.config import ConfigError
 from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
@@ -122,8 +123,6 @@ def _pair_row(runs: pd.DataFrame, setting: str, arm: str, other: str, columns: S
 
 def arm_means(per_run: pd.DataFrame) -> pd.DataFrame:
     """Per arm: n, the mean of each endpoint with its 95% t-interval, and collapses (k of n)."""
-    from moe_lab.analysis.tables import mean_ci
-
     rows = []
     for (setting, arm), g in per_run.groupby(["setting", "arm_base"], sort=False):
         row = {"setting": setting, "arm": arm, "n": len(g), "collapsed": int(g["collapsed"].sum())}

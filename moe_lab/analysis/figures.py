@@ -131,7 +131,7 @@ def is_head_to_head(df: pd.DataFrame) -> bool:
 
 def is_replay_comparison(df: pd.DataFrame) -> bool:
     """GRPO with and without Routing Replay, with the ratio decomposition logged (replay_map / rescue figures);
-    the older references, which predate the decomposition, draw neither."""
+    a folder whose runs did not log the decomposition draws neither (it has no share to place on the map)."""
     if "arm_base" not in df or not _has(df, replay_map.SHARE, "ratio/token_var", "optim/grad_norm"):
         return False
     arms = set(df["arm_base"].dropna())

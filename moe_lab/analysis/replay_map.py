@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from moe_lab.analysis.stats import welch_diff_ci
-from moe_lab.analysis.tables import check_columns, mean_ci
+from moe_lab.analysis.stats import mean_ci, welch_diff_ci
+from moe_lab.analysis.tables import check_columns
 from moe_lab.analysis.stability import with_labels
 
 SHARE = "ratio/routing_share"

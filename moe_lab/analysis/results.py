@@ -1,6 +1,6 @@
 """The summary of an experiment over seeds (``summarize``, ``format_summary``) and, re-exported, the loaders
-and reductions of ``moe_lab.analysis.tables`` (``load_runs``, ``per_step``, ``mean_ci``...), so that notebooks
-and the CLI read them from one module."""
+and reductions of ``moe_lab.analysis.tables`` (``load_runs``, ``per_step``...) and the intervals of
+``moe_lab.analysis.stats`` (``mean_ci``...), so that notebooks and the CLI read them from one module."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.analysis import stability
+from moe_lab.analysis.stats import T975, Z975, group_ci, mean_ci, t_quantile_975  # noqa: F401 - re-exported
 from moe_lab.analysis.tables import (  # noqa: F401 - re-exported
-    CONFIG_FILE, ENV_RESULTS, ID_COLUMNS, RUN_KEYS, SUMMARY_EVAL, SUMMARY_METRICS, T975, Z975, arm_factor_level,
-    base_arm, check_columns, final_values, find_run_dirs, flatten, group_ci, last_frac_means, load_runs, mean_ci,
-    per_run_step, per_step, reference_dir, run_keys, t_quantile_975,
+    CONFIG_FILE, ENV_RESULTS, ID_COLUMNS, RUN_KEYS, SUMMARY_EVAL, SUMMARY_METRICS, arm_factor_level,
+    base_arm, check_columns, final_values, find_run_dirs, flatten, last_frac_means, load_runs,
+    per_run_step, per_step, reference_dir, run_keys,
 )
 from moe_lab.rl.runlog import FINISHED
 

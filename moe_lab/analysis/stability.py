@@ -13,25 +13,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from moe_lab.analysis.tables import (arm_factor_level, base_arm, check_columns, final_values, group_ci,
-                                     last_frac_means, run_keys, Z975)
+from moe_lab.analysis.stats import group_ci, kaplan_meier, wilson_interval
+from moe_lab.analysis.tables import arm_factor_level, base_arm, check_columns, final_values, last_frac_means, run_keys
 
 # --------------------------------------------------------------------------- collapse
-
-
-def wilson_interval(k: int, n: int, z: float = Z975) -> tuple[float, float]:
-    """Wilson score interval of a proportion k/n (95% by default). Unlike the normal (Wald) interval it
-    stays inside [0, 1] and has a non-zero width at k = 0 or k = n, which is where collapse rates over a
-    handful of seeds live. (NaN, NaN) for n = 0."""
-    if n <= 0:
-        return math.nan, math.nan
-    if not 0 <= k <= n:
-        raise ValueError(f"k={k!r}: allowed 0 <= k <= n={n}")
-    p, z2 = k / n, z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    # At k = 0 (k = n) the bound is exactly 0 (1) analytically; rounding would leave ~1e-17.
-    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)
 
 
 COLLAPSE_COLUMNS = ("collapses", "collapse_rate", "collapse_rate_lo", "collapse_rate_hi", "collapse_step_median")
@@ -79,9 +64,7 @@ def survival_table(metrics_df: pd.DataFrame, by: Sequence[str] = ("arm",)) -> pd
     for key, group in runs.groupby(by, dropna=False, sort=True):
         steps = np.arange(int(group["time"].max()) + 1)
         times, events = group["time"].to_numpy(float), group["collapsed_at"].notna().to_numpy()
-        at_risk = (times[None, :] >= steps[:, None]).sum(axis=1)
-        died = ((times[None, :] == steps[:, None]) & events[None, :]).sum(axis=1)
-        survival = np.cumprod(1.0 - np.divide(died, at_risk, out=np.zeros(len(steps)), where=at_risk > 0))
+        survival, at_risk, died = kaplan_meier(times, events, steps)
         key = key if isinstance(key, tuple) else (key,)
         parts.append(pd.DataFrame({**dict(zip(by, key)), "step": steps, "survival": survival,
                                    "at_risk": at_risk, "collapsed": died}))

@@ -1,5 +1,7 @@
-"""The statistics of `moe-lab compare`: a contrast between two arms run from the same cold starts (blocks), and
-the run-level Welch interval and permutation p.
+"""Every statistic moe_lab reports, in one module (numpy/scipy/pandas only): t-intervals of a mean over runs
+(per group and step, per arm), Wilson intervals of collapse rates, the Kaplan-Meier survival of runs, and the
+statistics of `moe-lab compare`: a contrast between two arms run from the same cold starts (blocks), the
+run-level Welch interval and permutation p, TOST and Holm. Formulas in docs/metrics.md.
 
 Two intervals answer two questions, and `moe-lab compare` prints both, side by side, never one in place of the
 other (no model selection switches between them):
@@ -22,17 +24,108 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 from scipy import stats
-
-from moe_lab.analysis.tables import t_quantile_975
 
 EXACT_LIMIT = 2_000_000  # permutation splits enumerated exactly (10 vs 10 seeds: 184,756)
 MC_SAMPLES = 200_000
 MC_SEED = 0
+
+# Two-sided 95% Student-t quantiles t_{0.975, df} (any statistics table; tests re-derive each entry by
+# integrating the t density). Between table rows we interpolate linearly in 1/df, the standard practice,
+# which is exact to ~1e-4 here; df -> inf is the normal quantile.
+T975 = {1: 12.706204736, 2: 4.302652730, 3: 3.182446305, 4: 2.776445105, 5: 2.570581836, 6: 2.446911851,
+        7: 2.364624252, 8: 2.306004135, 9: 2.262157163, 10: 2.228138852, 11: 2.200985160, 12: 2.178812830,
+        13: 2.160368656, 14: 2.144786688, 15: 2.131449546, 16: 2.119905299, 17: 2.109815578, 18: 2.100922040,
+        19: 2.093024054, 20: 2.085963447, 21: 2.079613845, 22: 2.073873068, 23: 2.068657610, 24: 2.063898562,
+        25: 2.059538553, 26: 2.055529439, 27: 2.051830516, 28: 2.048407142, 29: 2.045229642, 30: 2.042272456,
+        40: 2.021075390, 60: 2.000297822, 120: 1.979930405}
+Z975 = 1.959963985
+
+
+# --------------------------------------------------------------------------- a mean over runs
+
+
+def t_quantile_975(df: float) -> float:
+    """t_{0.975, df}: the half-width factor of a 95% interval of a mean from df + 1 values."""
+    if not df >= 1:
+        return math.nan
+    df = float(df)
+    if df.is_integer() and int(df) in T975:
+        return T975[int(df)]
+    rows = sorted(T975) + [math.inf]
+    hi = next(r for r in rows if r > df)
+    lo = max(r for r in rows if r < df)
+    t_lo, t_hi = T975[lo], T975.get(hi, Z975)
+    w = (1 / lo - 1 / df) / (1 / lo - (0 if math.isinf(hi) else 1 / hi))
+    return t_lo + w * (t_hi - t_lo)
+
+
+def mean_ci(values: Iterable[float]) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean and its 95% t-interval over the finite values (NaN width for one value)."""
+    x = np.asarray([v for v in values if v is not None], dtype=float)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return math.nan, math.nan, math.nan
+    mean = float(x.mean())
+    if x.size == 1:
+        return mean, math.nan, math.nan
+    half = t_quantile_975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean, mean - half, mean + half
+
+
+def ci_columns(grouped: pd.core.groupby.SeriesGroupBy) -> pd.DataFrame:
+    """Vectorised mean_ci over groups: columns mean, lo, hi, n."""
+    out = grouped.agg(["mean", "std", "count"])
+    t = out["count"].map(lambda n: t_quantile_975(n - 1))
+    half = t * out["std"] / np.sqrt(out["count"])
+    return pd.DataFrame({"mean": out["mean"], "lo": out["mean"] - half, "hi": out["mean"] + half,
+                         "n": out["count"]})
+
+
+def group_ci(per_run: pd.DataFrame, cols: Sequence[str], by: list[str]) -> pd.DataFrame:
+    """Per group of ``by``: each column's mean over the group's rows (runs) with its 95% t-interval, as
+    columns col, col_lo, col_hi."""
+    parts = []
+    for col in cols:
+        ci = ci_columns(per_run.groupby(by, dropna=False, sort=True)[col])
+        parts.append(ci[["mean", "lo", "hi"]].set_axis([col, f"{col}_lo", f"{col}_hi"], axis=1))
+    return pd.concat(parts, axis=1) if parts else pd.DataFrame()
+
+
+# --------------------------------------------------------------------------- collapses: rates and survival
+
+
+def wilson_interval(k: int, n: int, z: float = Z975) -> tuple[float, float]:
+    """Wilson score interval of a proportion k/n (95% by default). Unlike the normal (Wald) interval it
+    stays inside [0, 1] and has a non-zero width at k = 0 or k = n, which is where collapse rates over a
+    handful of seeds live. (NaN, NaN) for n = 0."""
+    if n <= 0:
+        return math.nan, math.nan
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k!r}: allowed 0 <= k <= n={n}")
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    # At k = 0 (k = n) the bound is exactly 0 (1) analytically; rounding would leave ~1e-17.
+    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)
+
+
+def kaplan_meier(times: np.ndarray, events: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(survival, at_risk, died) at each of ``steps``: a unit with time t is at risk at every step <= t (a
+    censored unit is still at risk at its censoring step, the convention when a censoring and an event tie);
+    S *= 1 - d_t / n_t at each step."""
+    at_risk = (times[None, :] >= steps[:, None]).sum(axis=1)
+    died = ((times[None, :] == steps[:, None]) & events[None, :]).sum(axis=1)
+    survival = np.cumprod(1.0 - np.divide(died, at_risk, out=np.zeros(len(steps)), where=at_risk > 0))
+    return survival, at_risk, died
+
+
+# --------------------------------------------------------------------------- a contrast by cold start
 
 
 @dataclass(frozen=True)
@@ -101,6 +194,12 @@ def conditional(cells: Cells) -> Interval:
     total = float(var.sum())
     df = math.inf if total == 0 else total ** 2 / float(np.sum(var ** 2 / dof))
     return Interval.from_t(diff, math.sqrt(total), df)
+
+
+def t_half_width(se, df, quantile: float):
+    """The half-width of a two-sided t-interval: t_{quantile, df} * se (quantile 0.95 gives the 90% interval;
+    se, df scalars or arrays; df = inf gives the normal quantile)."""
+    return stats.t.ppf(quantile, df) * se
 
 
 def tost_p(diff: float, se: float, df: float, margin: float) -> float:

@@ -9,15 +9,15 @@ Layout read (written by the runner, see docs/metrics.md)::
 ``load_runs`` gives one row per minibatch update (metrics) and one per evaluation (eval), each carrying
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
 the manifest's "status" as moe_lab/rl/run_folder.py reads it ('collapsed' for a run a collapse rule stopped,
-including a 'failed' manifest written before that status existed; 'unverified' for a finished manifest whose tables
+including a 'failed' manifest that a collapse rule wrote without that status; 'unverified' for a finished manifest whose tables
 do not hold the rows the run committed, which the runner runs again) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
 see moe_lab/rl/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
 means the paper's default for the algorithm, which a sweep plot needs as a number).
-A run folder written before the manifest recorded collapses (or a running or crashed run, whose manifest
-is not final) gets them recomputed from its metrics table with its config's collapse rules (today's
-defaults where the config predates them): the rules are a pure function of the logged rows, so this is
+A run folder whose manifest records no collapse fields (or a running or crashed run, whose manifest
+is not final) gets them recomputed from its metrics table with its config's collapse rules (their
+defaults where the config lacks them): the rules are a pure function of the logged rows, so this is
 what the run would have recorded.
 Nothing here unpickles: YAML goes through the safe loader (yaml_io.load_yaml), parquet through pandas/pyarrow.
 """
@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.rl import health
+from moe_lab.analysis.stats import ci_columns
 from moe_lab.config import upgrade_run_config
 from moe_lab.constants import PAPER_CLIP
 from moe_lab.rl.run_folder import RUNS_DIR, RunFolder
@@ -45,56 +46,6 @@ SUMMARY_METRICS = ("clip_frac/active", "clip_frac/out_of_range", "ratio/token_va
                    "routing/expert_change", "routing/expert_change_latent", "reward/mean")
 ENV_RESULTS = "MOE_LAB_RESULTS"
 
-# Two-sided 95% Student-t quantiles t_{0.975, df} (any statistics table; tests re-derive each entry by
-# integrating the t density). Between table rows we interpolate linearly in 1/df, the standard practice,
-# which is exact to ~1e-4 here; df -> inf is the normal quantile.
-T975 = {1: 12.706204736, 2: 4.302652730, 3: 3.182446305, 4: 2.776445105, 5: 2.570581836, 6: 2.446911851,
-        7: 2.364624252, 8: 2.306004135, 9: 2.262157163, 10: 2.228138852, 11: 2.200985160, 12: 2.178812830,
-        13: 2.160368656, 14: 2.144786688, 15: 2.131449546, 16: 2.119905299, 17: 2.109815578, 18: 2.100922040,
-        19: 2.093024054, 20: 2.085963447, 21: 2.079613845, 22: 2.073873068, 23: 2.068657610, 24: 2.063898562,
-        25: 2.059538553, 26: 2.055529439, 27: 2.051830516, 28: 2.048407142, 29: 2.045229642, 30: 2.042272456,
-        40: 2.021075390, 60: 2.000297822, 120: 1.979930405}
-Z975 = 1.959963985
-
-
-# --------------------------------------------------------------------------- intervals
-
-
-def t_quantile_975(df: float) -> float:
-    """t_{0.975, df}: the half-width factor of a 95% interval of a mean from df + 1 values."""
-    if not df >= 1:
-        return math.nan
-    df = float(df)
-    if df.is_integer() and int(df) in T975:
-        return T975[int(df)]
-    rows = sorted(T975) + [math.inf]
-    hi = next(r for r in rows if r > df)
-    lo = max(r for r in rows if r < df)
-    t_lo, t_hi = T975[lo], T975.get(hi, Z975)
-    w = (1 / lo - 1 / df) / (1 / lo - (0 if math.isinf(hi) else 1 / hi))
-    return t_lo + w * (t_hi - t_lo)
-
-
-def mean_ci(values: Iterable[float]) -> tuple[float, float, float]:
-    """(mean, lo, hi): the mean and its 95% t-interval over the finite values (NaN width for one value)."""
-    x = np.asarray([v for v in values if v is not None], dtype=float)
-    x = x[np.isfinite(x)]
-    if x.size == 0:
-        return math.nan, math.nan, math.nan
-    mean = float(x.mean())
-    if x.size == 1:
-        return mean, math.nan, math.nan
-    half = t_quantile_975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return mean, mean - half, mean + half
-
-
-def _ci_columns(grouped: pd.core.groupby.SeriesGroupBy) -> pd.DataFrame:
-    """Vectorised mean_ci over groups: columns mean, lo, hi, n."""
-    out = grouped.agg(["mean", "std", "count"])
-    t = out["count"].map(lambda n: t_quantile_975(n - 1))
-    half = t * out["std"] / np.sqrt(out["count"])
-    return pd.DataFrame({"mean": out["mean"], "lo": out["mean"] - half, "hi": out["mean"] + half,
-                         "n": out["count"]})
 
 
 # --------------------------------------------------------------------------- loading
@@ -165,7 +116,7 @@ def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _collapse(manifest: dict, config: dict, metrics: pd.DataFrame) -> dict:
     """collapsed_at (NaN = never) and collapse_rule of a run: the manifest's where it is final, else
-    recomputed from its rows. Not final: a manifest without the field (written before it existed), a
+    recomputed from its rows. Not final: a manifest without the field, a
     running run, or one that failed on an exception (its manifest still holds the value from the start of
     that attempt, while its rows went on). ``manifest``: RunFolder.manifest."""
     status = manifest.get("status")
@@ -278,7 +229,7 @@ def per_step(df: pd.DataFrame, metric: str, by: Sequence[str] = ("arm",)) -> pd.
     """Per group and step, the mean over runs (seeds) and its 95% band: columns by..., step, mean, lo, hi, n."""
     by = list(by)
     runs = per_run_step(df, metric, by)
-    out = _ci_columns(runs.groupby([*by, "step"], dropna=False, sort=True)[metric])
+    out = ci_columns(runs.groupby([*by, "step"], dropna=False, sort=True)[metric])
     return out.reset_index()
 
 
@@ -302,11 +253,3 @@ def final_values(df: pd.DataFrame, metrics: Sequence[str], by: Sequence[str]) ->
     last = df[df["step"] == df.groupby(keys, dropna=False)["step"].transform("max")]
     out = last.groupby(keys, dropna=False, sort=True)[present].mean()
     return out.reindex(columns=list(metrics)).reset_index()
-
-
-def group_ci(per_run: pd.DataFrame, cols: Sequence[str], by: list[str]) -> pd.DataFrame:
-    parts = []
-    for col in cols:
-        ci = _ci_columns(per_run.groupby(by, dropna=False, sort=True)[col])
-        parts.append(ci[["mean", "lo", "hi"]].set_axis([col, f"{col}_lo", f"{col}_hi"], axis=1))
-    return pd.concat(parts, axis=1) if parts else pd.DataFrame()

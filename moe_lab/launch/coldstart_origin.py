@@ -21,8 +21,8 @@ NOTE = "moe-lab: note: "
 
 
 def _first_segment(manifest: dict) -> dict:
-    """The run's first start (moe_lab.rl.loop.provenance) in a manifest as RunFolder reads it (a manifest written
-    before segments gets one from its top level: run_folder.upgrade_manifest); {} for one without a cold start."""
+    """The run's first start (moe_lab.rl.loop.provenance) in a manifest as RunFolder reads it (a manifest
+    without segments gets one from its top level: run_folder.upgrade_manifest); {} for one without a cold start."""
     return (manifest.get("segments") or [{}])[0]
 
 

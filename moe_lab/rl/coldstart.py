@@ -49,8 +49,8 @@ FORMAT_VERSION = 1
 META_FILE = "coldstart.json"
 
 
-# Fields added after caches existed: hashed only when set away from their default, so that every config
-# that does not use them keeps the key (and the cached model) it had before they existed.
+# Hashed only when set away from their default: a config that leaves them there keeps the key of the cold starts
+# cached and committed without them (results name those keys), so their cached models stay valid.
 _HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0, "bias_update_rate": 0.0}, "model": {"shared_expert": True, "norm_topk_prob": None},
                   "task": {"mixture": []}}
 

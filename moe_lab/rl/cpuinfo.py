@@ -2,7 +2,7 @@
 
 MKL and oneDNN choose their code paths by processor model as well as by instruction set, so two machines with
 the same ``cpu_capability`` can give different bits; without the processor in the manifest nobody can tell
-from a reference why it does not reproduce (issue 27). Read from /proc/cpuinfo (Linux; ``lscpu`` may be
+from a reference why it does not reproduce. Read from /proc/cpuinfo (Linux; ``lscpu`` may be
 missing), else from ``platform`` (macOS, Windows: vendor and model name only, no flags).
 """
 

@@ -10,8 +10,8 @@ differs only where two perturbed scores tie to rounding). The whole batch is sam
 config, 2-core CPU). With sampler-side router noise (rl.rollout_router_noise) each group is generated on its
 own, so that its noise draws are its own too, and the groups are joined (``join_batches``).
 
-The legacy ``sequential`` mode samples the whole batch from the run's global generator in one call (how plain
-runs sampled before 2026-11-30, the references made then among them; see ``moe_lab.config_legacy.LEGACY_VALUES``).
+The ``sequential`` mode samples the whole batch from the run's global generator in one call: the sampling of the
+committed references' plain runs, kept so that they re-run bit for bit (``moe_lab.config_legacy.LEGACY_VALUES``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class CollapseParams:
     @classmethod
     def from_config(cls, rl) -> CollapseParams:
         """From an RLConfig (or anything with the rl.collapse_* attributes; missing ones keep the defaults,
-        so a config written before these fields existed is judged by today's defaults)."""
+        so a config without these fields is judged by their defaults)."""
         names = {"window": "collapse_window", "drop": "collapse_drop", "patience": "collapse_patience",
                  "min_best": "collapse_min_best", "entropy_max": "collapse_entropy_max"}
         get = rl.get if isinstance(rl, Mapping) else lambda k, d: getattr(rl, k, d)

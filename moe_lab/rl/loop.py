@@ -77,7 +77,7 @@ def _model_state(model) -> dict[str, torch.Tensor]:
 def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
     """The rollout copy takes the weights (and expert biases) it samples with, cast to the rollout dtype (bf16
     mismatch knob): the oldest snapshot of the lag queue (rl.rollout_lag), or the trained ones when it is empty.
-    A snapshot saved before biases were snapshotted lacks them: its run never moved them (the current ones)."""
+    A snapshot without biases keeps the current ones: a run that saved none never moved them."""
     if rollout_policy is policy:
         return
     current = _model_state(policy)
@@ -242,7 +242,7 @@ def provenance(prior: dict, cfg: RunConfig, step: int) -> dict:
     descends from the cold start it began from, not from what this machine's cache now holds under that key. So
     ``coldstart`` stays the first segment's record, and each (re)start appends its step, machine and cache entry
     to ``segments``: a run finished elsewhere says so (with ``rl.kl_coef`` > 0 its reference model after the
-    resume is the later segment's cold start). A manifest written before segments existed gives the
+    resume is the later segment's cold start). A manifest without segments gives the
     first segment what it recorded (its last start and machine: run_folder.first_segments)."""
     here = {"from_step": step, "machine": machine_info(), "coldstart": recorded(cfg)}
     if step == 0:  # a run (re)started from scratch: nothing before it survives

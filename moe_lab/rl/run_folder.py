@@ -32,14 +32,14 @@ CELL_STATES = (NEW, DONE, RESUME, CONFLICT)
 # what a reader shows for a manifest that says finished while its tables do not hold the rows the run committed (the
 # runner resumes it): never written into a manifest
 UNVERIFIED = "unverified"
-# The start of every stop reason health.stop_reason writes: how a manifest written before 'collapsed' existed
-# (status 'failed', no traceback) is told apart from a run that failed on an error.
+# The start of every stop reason health.stop_reason writes: how a manifest of a collapse without the
+# 'collapsed' status (status 'failed', no traceback) is told apart from a run that failed on an error.
 STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
 
 
 def run_status(manifest: dict) -> str | None:
     """The manifest's status, reading a 'failed' manifest that a collapse rule wrote (it names the rule, holds a
-    stop reason and no traceback: every run before 'collapsed' existed) as 'collapsed'."""
+    stop reason and no traceback: a collapse in committed folders that lack the status) as 'collapsed'."""
     status = manifest.get("status")
     if (status == STATUS_FAILED and manifest.get("collapse_rule") and "traceback" not in manifest
             and str(manifest.get("reason", "")).startswith(STOP_REASON_PREFIXES)):
@@ -48,7 +48,7 @@ def run_status(manifest: dict) -> str | None:
 
 
 def first_segments(manifest: dict) -> list[dict]:
-    """The manifest's ``segments`` (moe_lab.rl.loop.provenance); for a manifest written before segments existed,
+    """The manifest's ``segments`` (moe_lab.rl.loop.provenance); for a manifest without them,
     one segment of what it recorded at top level (its last start's step, machine and cold start), or none when it
     recorded no cold start."""
     segments = manifest.get("segments") or ()

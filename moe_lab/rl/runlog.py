@@ -206,8 +206,8 @@ class RunLock:
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
     """HEAD of the checkout when this process first asks: a worker keeps the code it imported for its whole
-    life, so a commit made while it runs must not be written into its later manifests (it was, before
-    2026-12-01: replay_rescue_confirm's manifests name the HEAD at each run's end)."""
+    life, so a commit made while it runs must not be written into its later manifests: they would name code the run never ran
+    (replay_rescue_confirm's committed manifests do: each names the HEAD at its run's end)."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
@@ -245,7 +245,7 @@ def machine_info() -> dict[str, Any]:
 def config_state(run_dir: Path, config_text: str) -> str:
     """'new' (no config yet), 'same' (this very config: a resume or a finished run) or 'other'.
 
-    A config.yaml written before some fields existed lacks them: it is read back with the values it ran with
+    A config.yaml may lack fields its writer did not have: it is read back with the values it ran with
     (``upgrade_run_config``: their defaults, or the legacy value of a field whose default changed results) and
     compared again, so adding a field does not turn every finished run, committed references included, into a
     conflict, and a run of the old behaviour is never taken for one of the new."""

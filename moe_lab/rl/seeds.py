@@ -8,7 +8,7 @@ Two sampling regimes (rl.rollout_seeding):
 - per_group (the default): each prompt group's responses are drawn under ``group_seed(seed, step, prompt
   index)`` (moe_lab.rl.groups), so a group gets the same responses in a plain run (``moe-lab run``) and on
   whichever rank of a torchrun it lands, any world size;
-- sequential (plain runs only; every run made before 2026-11-30, committed references among them): torch's
+- sequential (plain runs only; the committed references' sampling, kept so they re-run bit for bit): torch's
   global generator is seeded once (``run_seed``) and every rollout batch is sampled from it in sequence.
 """
 
