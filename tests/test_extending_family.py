@@ -103,7 +103,7 @@ def test_the_new_family_recipe(tmp_path):
     pkg = _copy(tmp_path)
     _add_row(pkg)
     _add_name(pkg)
-    _before_close(pkg / "formats" / "layers.py", "MOE_LAYER_RULES: dict", "\n}\n", _block("family-layers"), skip=1)
+    _before_close(pkg / "formats" / "layers.py", "IS_MOE_LAYER: dict", "\n}\n", _block("family-layers"), skip=1)
     done = _python(tmp_path, ["-c", FAMILY_CHECK, str(pkg)])
     assert done.returncode == 0 and "flex_olmo ok" in done.stdout, done.stderr
 

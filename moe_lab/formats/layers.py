@@ -6,7 +6,7 @@ ones (vLLM where verl #5037 met it), and sometimes the MTP (next-token-predictio
 backbone. The model's HF config says which decoder layers are MoE; the axis length says which numbering a
 layout used. That decision is made here from the config, never guessed from the data.
 
-``MOE_LAYER_RULES`` is one entry per ``model_type``: (config -> is decoder layer i an MoE layer). A new family
+``IS_MOE_LAYER`` is one entry per ``model_type``: (config -> is decoder layer i an MoE layer). A new family
 adds one line. A model_type without an entry is refused (one line naming the allowed ones).
 """
 
@@ -57,7 +57,7 @@ def _mlp_layer_types(config: Any, i: int) -> bool:
     return types[i] == "sparse" if types else _deepseek_moe(config, i)
 
 
-MOE_LAYER_RULES: dict[str, Callable[[Any, int], bool]] = {
+IS_MOE_LAYER: dict[str, Callable[[Any, int], bool]] = {
     "qwen3_moe": _qwen_moe,
     "qwen2_moe": _qwen_moe,
     "deepseek_v3": _deepseek_moe,
@@ -82,9 +82,9 @@ _MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_lay
 
 def model_type(config: Any) -> str:
     value = _field(config, "model_type")
-    if value not in MOE_LAYER_RULES:
-        raise ValueError(f"config: model_type={value!r} has no MoE layer rule; allowed "
-                         f"{', '.join(sorted(MOE_LAYER_RULES))}")
+    if value not in IS_MOE_LAYER:
+        raise ValueError(f"config: model_type={value!r} has no IS_MOE_LAYER entry; allowed "
+                         f"{', '.join(sorted(IS_MOE_LAYER))}")
     return value
 
 
@@ -103,8 +103,8 @@ def num_mtp_layers(config: Any) -> int:
 
 def moe_layer_indices(config: Any) -> list[int]:
     """Decoder-layer indices (0-based, backbone only: MTP layers excluded) whose MLP is an MoE block."""
-    rule = MOE_LAYER_RULES[model_type(config)]
-    return [i for i in range(num_decoder_layers(config)) if rule(config, i)]
+    is_moe = IS_MOE_LAYER[model_type(config)]
+    return [i for i in range(num_decoder_layers(config)) if is_moe(config, i)]
 
 
 def top_k(config: Any) -> int:
