@@ -3,47 +3,11 @@ page gives them at the places it names, and checks in a fresh interpreter that t
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-import moe_lab
-
-PKG = Path(moe_lab.__file__).resolve().parent
-DOC = PKG.parent / "docs" / "extending.md"
-
-
-def _block(name: str) -> str:
-    """The code block under the marker ``<!-- recipe: name -->`` of docs/extending.md."""
-    found = re.search(rf"<!-- recipe: {name} -->\n```\w*\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
-    assert found, f"docs/extending.md: no code block marked recipe: {name}"
-    return found.group(1)
-
-
-def _insert(path: Path, anchor: str, text: str, before: bool) -> None:
-    """Put ``text`` before or after the one occurrence of ``anchor`` in ``path`` (the place the recipe names)."""
-    source = path.read_text(encoding="utf-8")
-    assert source.count(anchor) == 1, f"{path.name}: the recipe's place {anchor!r} is not there exactly once"
-    at = source.index(anchor) + (0 if before else len(anchor))
-    path.write_text(source[:at] + text + source[at:], encoding="utf-8")
-
-
-def _copy(tmp_path: Path) -> Path:
-    shutil.copytree(PKG, tmp_path / "moe_lab", ignore=shutil.ignore_patterns("__pycache__"))
-    return tmp_path / "moe_lab"
-
-
-def _python(tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-
+from recipes import block, copy_package, insert, run_python, write_new_file
 
 OBJECTIVE_CHECK = textwrap.dedent("""
     import dataclasses, sys
@@ -90,38 +54,38 @@ OBJECTIVE_CHECK = textwrap.dedent("""
 
 
 def test_the_new_objective_recipe(tmp_path):
-    pkg = _copy(tmp_path)
-    _insert(pkg / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + _block("objective-row").rstrip("\n"),
+    pkg = copy_package(tmp_path)
+    insert(pkg / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + block("objective-row").rstrip("\n"),
             before=True)
-    _insert(pkg / "algos" / "objectives.py", "OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()",
-            _block("objective-function") + "\n\n", before=True)
-    done = _python(tmp_path, ["-c", OBJECTIVE_CHECK, str(pkg)])
+    insert(pkg / "algos" / "objectives.py", "OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()",
+            block("objective-function") + "\n\n", before=True)
+    done = run_python(tmp_path, ["-c", OBJECTIVE_CHECK, str(pkg)])
     assert done.returncode == 0 and "toy_pg ok" in done.stdout, done.stderr
 
 
 @pytest.mark.parametrize("missing", ["row", "function"])
 def test_half_a_new_objective_fails_at_import(tmp_path, missing):
-    pkg = _copy(tmp_path)
+    pkg = copy_package(tmp_path)
     if missing == "function":
-        _insert(pkg / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + _block("objective-row").rstrip("\n"),
+        insert(pkg / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + block("objective-row").rstrip("\n"),
                 before=True)
     else:
-        _insert(pkg / "algos" / "objectives.py", "OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()",
-                _block("objective-function") + "\n\n", before=True)
-    done = _python(tmp_path, ["-c", "import moe_lab.algos.objectives"])
+        insert(pkg / "algos" / "objectives.py", "OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()",
+                block("objective-function") + "\n\n", before=True)
+    done = run_python(tmp_path, ["-c", "import moe_lab.algos.objectives"])
     assert done.returncode != 0 and "toy_pg" in done.stderr.strip().splitlines()[-1], done.stderr
 
 
 def test_the_new_command_recipe(tmp_path):
-    pkg = _copy(tmp_path)
-    (pkg / "commands" / "algos.py").write_text(_block("command-module"), encoding="utf-8")
-    _insert(pkg / "cli.py", '    "moe_lab.commands.list_experiments",\n', _block("command-line"), before=False)
-    done = _python(tmp_path, ["-m", "moe_lab.cli", "algos", "--ppo-clip"])
+    pkg = copy_package(tmp_path)
+    write_new_file(pkg.parent, "command-module")
+    insert(pkg / "cli.py", '    "moe_lab.commands.list_experiments",\n', block("command-line"), before=False)
+    done = run_python(tmp_path, ["-m", "moe_lab.cli", "algos", "--ppo-clip"])
     from moe_lab import constants as C
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [x for a in C.PPO_CLIP_ALGOS for x in (a, *(f"{v:g}" for v in C.PAPER_CLIP[a]))]
-    helped = _python(tmp_path, ["-m", "moe_lab.cli", "--help"])
+    helped = run_python(tmp_path, ["-m", "moe_lab.cli", "--help"])
     assert "algos (moe_lab.commands.algos)" in " ".join(helped.stdout.split())
-    bad = _python(tmp_path, ["-m", "moe_lab.cli", "algos", "rl.steps=3"])  # no FIELD=VALUE for this command
+    bad = run_python(tmp_path, ["-m", "moe_lab.cli", "algos", "rl.steps=3"])  # no FIELD=VALUE for this command
     assert bad.returncode == 2 and "unrecognized arguments: rl.steps=3" in bad.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_extending import _block, _copy, _insert, _python
+from recipes import block, copy_package, insert, run_python
 
 
 def _before_close(path: Path, opener: str, closer: str, text: str, skip: int = 0) -> None:
@@ -27,15 +27,15 @@ def _add_row(pkg: Path) -> None:
     kind = pkg / "models" / "families" / "softmax.py"
     lines = kind.read_text(encoding="utf-8").splitlines()
     last_import = [line for line in lines if line.startswith("from transformers")][-1]
-    _insert(kind, last_import + "\n", _block("family-imports"), before=False)
-    _insert(kind, "SOFTMAX_FAMILIES: tuple[FamilySpec, ...] = (", _block("family-config") + "\n\n", before=True)
-    _before_close(kind, "SOFTMAX_FAMILIES: tuple[FamilySpec, ...] = (", "\n)\n", _block("family-row"), skip=1)
+    insert(kind, last_import + "\n", block("family-imports"), before=False)
+    insert(kind, "SOFTMAX_FAMILIES: tuple[FamilySpec, ...] = (", block("family-config") + "\n\n", before=True)
+    _before_close(kind, "SOFTMAX_FAMILIES: tuple[FamilySpec, ...] = (", "\n)\n", block("family-row"), skip=1)
 
 
 def _add_name(pkg: Path) -> None:
     """Step 4: the last name of constants.FAMILIES and NORM_TOPK_FAMILIES."""
     for tuple_name in ("FAMILIES", "NORM_TOPK_FAMILIES"):
-        _before_close(pkg / "constants.py", f"\n{tuple_name} = (", ")", ", " + _block("family-name").strip())
+        _before_close(pkg / "constants.py", f"\n{tuple_name} = (", ")", ", " + block("family-name").strip())
 
 
 FAMILY_CHECK = textwrap.dedent("""
@@ -100,17 +100,17 @@ FAMILY_CHECK = textwrap.dedent("""
 
 
 def test_the_new_family_recipe(tmp_path):
-    pkg = _copy(tmp_path)
+    pkg = copy_package(tmp_path)
     _add_row(pkg)
     _add_name(pkg)
-    _before_close(pkg / "formats" / "layers.py", "IS_MOE_LAYER: dict", "\n}\n", _block("family-layers"), skip=1)
-    done = _python(tmp_path, ["-c", FAMILY_CHECK, str(pkg)])
+    _before_close(pkg / "formats" / "layers.py", "IS_MOE_LAYER: dict", "\n}\n", block("family-layers"), skip=1)
+    done = run_python(tmp_path, ["-c", FAMILY_CHECK, str(pkg)])
     assert done.returncode == 0 and "flex_olmo ok" in done.stdout, done.stderr
 
 
 @pytest.mark.parametrize("missing", ["row", "name"])
 def test_half_a_new_family_fails_at_import(tmp_path, missing):
-    pkg = _copy(tmp_path)
+    pkg = copy_package(tmp_path)
     (_add_name if missing == "row" else _add_row)(pkg)
-    done = _python(tmp_path, ["-c", "import moe_lab.models.families"])
+    done = run_python(tmp_path, ["-c", "import moe_lab.models.families"])
     assert done.returncode != 0 and "flex_olmo" in done.stderr.strip().splitlines()[-1], done.stderr

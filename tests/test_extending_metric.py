@@ -9,7 +9,7 @@ import shutil
 import textwrap
 from pathlib import Path
 
-from test_extending import PKG, _block, _copy, _insert, _python
+from recipes import PKG, block, copy_package, insert, run_python
 
 from moe_lab.config import apply_overrides
 from moe_lab.yaml_io import load_yaml
@@ -54,18 +54,18 @@ CHECK = textwrap.dedent("""
 
 
 def _apply_recipe(tmp_path: Path) -> Path:
-    pkg = _copy(tmp_path)
-    _insert(pkg / "rl" / "collect.py", '            "response/length_max": float(batch.response_len_B.max())}',
-            _block("metric-value"), before=True)
-    _insert(pkg / "rl" / "collect.py", '"response/length_max": R.MAX,\n', _block("metric-reduction"), before=False)
-    _insert(pkg / "analysis" / "tables.py", '"reward/mean")', _block("metric-summary").rstrip("\n") + " ",
+    pkg = copy_package(tmp_path)
+    insert(pkg / "rl" / "collect.py", '            "response/length_max": float(batch.response_len_B.max())}',
+            block("metric-value"), before=True)
+    insert(pkg / "rl" / "collect.py", '"response/length_max": R.MAX,\n', block("metric-reduction"), before=False)
+    insert(pkg / "analysis" / "tables.py", '"reward/mean")', block("metric-summary").rstrip("\n") + " ",
             before=True)
     (tmp_path / "docs").mkdir()
     shutil.copy(ROOT / "docs" / "metrics.md", tmp_path / "docs" / "metrics.md")
     row = "| `response/length_mean`, `response/length_max` |"
     source = (tmp_path / "docs" / "metrics.md").read_text(encoding="utf-8")
     end = source.index("\n", source.index(row)) + 1  # below that row (the recipe's place; _insert checks it once)
-    _insert(tmp_path / "docs" / "metrics.md", source[source.index(row):end], _block("metric-row"), before=False)
+    insert(tmp_path / "docs" / "metrics.md", source[source.index(row):end], block("metric-row"), before=False)
     return pkg
 
 
@@ -74,5 +74,5 @@ def test_the_new_metric_recipe(tmp_path):
     pkg = _apply_recipe(tmp_path)
     smoke = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))["base"]
     config = apply_overrides(smoke, [f"coldstart.cache_dir={tmp_path / 'cache'}", "rl.steps=2", "rl.algo=grpo"])
-    done = _python(tmp_path, ["-c", CHECK % METRIC, str(pkg), str(tmp_path / "results"), json.dumps(config)])
+    done = run_python(tmp_path, ["-c", CHECK % METRIC, str(pkg), str(tmp_path / "results"), json.dumps(config)])
     assert done.returncode == 0 and "metric ok" in done.stdout, done.stderr[-3000:]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from test_extending import _block, _copy, _insert, _python
+from recipes import block, copy_package, insert, run_python, write_new_file
 
 TESTS = Path(__file__).resolve().parent
 
@@ -58,13 +58,13 @@ LAYOUT_CHECK = textwrap.dedent("""
 
 
 def test_a_new_trace_layout_as_docs_extending_says(tmp_path):
-    pkg = _copy(tmp_path / "copy")
-    (pkg / "formats" / "toy.py").write_text(_block("layout-module"), encoding="utf-8")
-    _insert(pkg / "formats" / "names.py", '    "verl",\n', _block("layout-name"), before=False)
-    _insert(pkg / "formats" / "layers.py", '    "verl": None,\n', _block("layout-axes"), before=False)
-    _insert(pkg / "formats" / "jsonl.py", "from moe_lab.formats import nemo_rl, prime_rl\n", _block("layout-import"),
+    pkg = copy_package(tmp_path / "copy")
+    write_new_file(pkg.parent, "layout-module")
+    insert(pkg / "formats" / "names.py", '    "verl",\n', block("layout-name"), before=False)
+    insert(pkg / "formats" / "layers.py", '    "verl": None,\n', block("layout-axes"), before=False)
+    insert(pkg / "formats" / "jsonl.py", "from moe_lab.formats import nemo_rl, prime_rl\n", block("layout-import"),
             before=False)
-    _insert(pkg / "formats" / "jsonl.py", '    "verl": _read_verl,\n', _block("layout-reader"), before=False)
+    insert(pkg / "formats" / "jsonl.py", '    "verl": _read_verl,\n', block("layout-reader"), before=False)
     (tmp_path / "work").mkdir()
-    done = _python(tmp_path / "copy", ["-c", LAYOUT_CHECK, str(pkg), str(TESTS), str(tmp_path / "work")])
+    done = run_python(tmp_path / "copy", ["-c", LAYOUT_CHECK, str(pkg), str(TESTS), str(tmp_path / "work")])
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

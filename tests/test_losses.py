@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.algos.losses import LOSS_AGGS, aggregate_loss, kl_penalty, masked_mean, policy_loss
+from moe_lab.constants import LOSS_AGGS
+from moe_lab.algos.losses import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.ratio_metrics import METRIC_KEYS
 from moe_lab.constants import PPO_CLIP_ALGOS
 

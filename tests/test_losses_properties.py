@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.algos.losses import LOSS_AGGS, policy_loss
+from moe_lab.constants import LOSS_AGGS
+from moe_lab.algos.losses import policy_loss
 from moe_lab.constants import PPO_CLIP_ALGOS
 
 FAST = settings(max_examples=20, deadline=None)

@@ -28,9 +28,8 @@ import torch
 
 from moe_lab import constants as C
 
-__all__ = ["WHITEN_MODES", "group_advantages"]
+__all__ = ["group_advantages"]
 
-WHITEN_MODES = C.WHITEN_MODES
 
 
 def _check_args(rewards_B, group_size, eps, reward_clip, adv_clip, whiten) -> None:
@@ -51,8 +50,8 @@ def _check_args(rewards_B, group_size, eps, reward_clip, adv_clip, whiten) -> No
     for name, value in (("reward_clip", reward_clip), ("adv_clip", adv_clip)):
         if value is not None and not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"{name} must be None or a float > 0, got {value!r}")
-    if whiten not in WHITEN_MODES:
-        raise ValueError(f"whiten must be one of {WHITEN_MODES}, got {whiten!r}")
+    if whiten not in C.WHITEN_MODES:
+        raise ValueError(f"whiten must be one of {C.WHITEN_MODES}, got {whiten!r}")
 
 
 def group_advantages(

@@ -29,18 +29,12 @@ from moe_lab.algos.objectives import OBJECTIVES, ObjectiveInputs, ObjectiveTerms
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
 __all__ = [
-    "LOSS_AGGS",
-    "KL_KINDS",
     "masked_mean",
     "masked_var",
     "aggregate_loss",
     "kl_penalty",
     "policy_loss",
 ]
-
-LOSS_AGGS = C.LOSS_AGGS
-KL_KINDS = C.KL_KINDS
-
 
 # ---------------------------------------------------------------- validation (before any work)
 
@@ -80,8 +74,8 @@ def _real(x) -> bool:
 def _check_options(algo, loss_agg, clip_low, clip_high, dual_clip_c, norm_len) -> None:
     if algo not in OBJECTIVES:
         raise ValueError(f"algo must be one of {C.ALGOS}, got {algo!r}")
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if loss_agg not in C.LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {C.LOSS_AGGS}, got {loss_agg!r}")
     low_max = OBJECTIVES[algo].clip_low_max
     if low_max == math.inf:  # cispo (ratios >= 0: clip_low >= 1 = no lower bound), gmpo/rspo (log space)
         if not (_real(clip_low) and 0.0 <= clip_low < math.inf):
@@ -128,8 +122,8 @@ def aggregate_loss(
     seq-mean-token-sum: mean_i sum_t L M;  seq-mean-token-sum-norm: mean_i sum_t L M / norm_len
     (norm_len defaults to T; pass the fixed max response length so the scale never drifts).
     """
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if loss_agg not in C.LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {C.LOSS_AGGS}, got {loss_agg!r}")
     if tuple(loss_BT.shape) != tuple(mask_BT.shape) or loss_BT.ndim != 2:
         raise ValueError(
             f"loss_BT and mask_BT must have the same (B, T) shape, got {_shape(loss_BT)} and {_shape(mask_BT)}"
@@ -154,8 +148,8 @@ def kl_penalty(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.
     k1 = logp - ref;  k2 = (logp - ref)^2 / 2;  k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman).
     Differentiable wrt both inputs: ``masked_mean`` it as a loss term, or subtract it from rewards.
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    if kind not in C.KL_KINDS:
+        raise ValueError(f"kind must be one of {C.KL_KINDS}, got {kind!r}")
     _check_logp("logp_BT", logp_BT, None)
     _check_logp("logp_ref_BT", logp_ref_BT, tuple(logp_BT.shape))
     _check_mask(mask_BT, tuple(logp_BT.shape), allow_empty_rows=True)

@@ -22,7 +22,6 @@ from moe_lab.config import ModelConfig
 from moe_lab.models.families import (FAMILIES, REFUSED, FamilySpec, family_of_model_type, family_of_router, get_family,
                                      hf_kwargs)
 
-EXPERTS_IMPLS = C.EXPERTS_KERNELS  # batched_mm is ~50x slower on CPU: refused
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -34,8 +33,8 @@ class MoeLayer(NamedTuple):
 
 def _check_build_args(cfg: ModelConfig, vocab_size: int, special_ids: dict[str, int]) -> FamilySpec:
     spec = get_family(cfg.family)
-    if cfg.experts_impl not in EXPERTS_IMPLS:
-        raise ValueError(f"experts_impl={cfg.experts_impl!r} is not supported: allowed {', '.join(EXPERTS_IMPLS)}")
+    if cfg.experts_impl not in C.EXPERTS_KERNELS:
+        raise ValueError(f"experts_impl={cfg.experts_impl!r} is not supported: allowed {', '.join(C.EXPERTS_KERNELS)}")
     if not isinstance(vocab_size, int) or vocab_size < 3:
         raise ValueError(f"vocab_size={vocab_size!r} is out of range: allowed an int >= 3")
     for name, value in special_ids.items():
@@ -116,8 +115,8 @@ def load_model(path: str | Path, *, experts_impl: str = "grouped_mm", dtype: tor
     ``dtype="auto"``: the checkpoint's own (``checkpoint_dtype``). ``device_map``: transformers' (e.g.
     ``{"": "cuda:0"}``, or ``"auto"`` with accelerate): the weights are read onto their devices in ``dtype``,
     never built whole in CPU memory first."""
-    if experts_impl not in EXPERTS_IMPLS:
-        raise ValueError(f"experts_impl={experts_impl!r} is not supported: allowed {', '.join(EXPERTS_IMPLS)}")
+    if experts_impl not in C.EXPERTS_KERNELS:
+        raise ValueError(f"experts_impl={experts_impl!r} is not supported: allowed {', '.join(C.EXPERTS_KERNELS)}")
     path = Path(path).expanduser()
     spec = checkpoint_family(path)
     dtype = checkpoint_dtype(path) if dtype == "auto" else dtype
@@ -178,5 +177,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["EXPERTS_IMPLS", "MoeLayer", "build_model", "checkpoint_dtype", "checkpoint_family", "correction_biases",
+__all__ = ["MoeLayer", "build_model", "checkpoint_dtype", "checkpoint_family", "correction_biases",
            "load_model", "moe_layers", "position_ids_from_mask", "resolve_device"]
