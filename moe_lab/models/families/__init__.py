@@ -21,7 +21,8 @@ in its kind's module, and its name in ``constants.FAMILIES`` (the config's choic
 for ``check-trace`` / ``verify-replay`` on its real checkpoints; and docs/config.md's table regenerated
 (docs/extending.md, "A new model family", gives the lines). A new router kind adds its ``select`` /
 ``gate_weights`` to ``routers`` and, for a new kind module, its tuple to the ``_registry`` call below.
-``FAMILIES`` is built in ``constants.FAMILIES``' order and refuses at import a name declared on one side only.
+``FAMILIES`` is built in ``constants.FAMILIES``' order and refuses at import a name declared on one side only,
+or a ``NORM_TOPK_FAMILIES`` / ``BIAS_FAMILIES`` list that disagrees with the rows.
 
 megablocks is not yet supported: its PyPI release is a CUDA-only build pinned to torch 2.7.0 and its fused
 MoE MLP bypasses the router module (the seam above), so it needs a GPU machine and its own entry (a router
@@ -45,6 +46,14 @@ def _registry(*kinds: tuple[FamilySpec, ...]) -> dict[str, FamilySpec]:
     if missing or undeclared or len(specs) != sum(map(len, kinds)):
         raise ValueError(f"constants.FAMILIES without a FamilySpec row: {sorted(missing)}; FamilySpec rows not in "
                          f"constants.FAMILIES: {sorted(undeclared)} (each name once)")
+    # the two name lists the config checks with (constants sits below models) must say what the rows say
+    traits = {"NORM_TOPK_FAMILIES (its HF config has norm_topk_prob)":
+              (C.NORM_TOPK_FAMILIES, lambda spec: hasattr(spec.config_cls, "norm_topk_prob")),
+              "BIAS_FAMILIES (its FamilySpec has a bias)": (C.BIAS_FAMILIES, lambda spec: spec.bias is not None)}
+    for what, (names, has) in traits.items():
+        wrong = sorted(name for name, spec in specs.items() if has(spec) != (name in names))
+        if wrong:
+            raise ValueError(f"constants.{what} disagrees with the FamilySpec rows for: {wrong}")
     return {name: specs[name] for name in C.FAMILIES}
 
 
