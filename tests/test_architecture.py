@@ -6,8 +6,6 @@ the layers below it; and every ``moe_lab`` import the project's code, docs and n
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -229,13 +227,29 @@ def _text(path: Path) -> str:
 RECIPE_MODULES = {path.removesuffix(".py").replace("/", ".") for path in recipe_new_files()}
 
 
+def _module_file(name: str) -> Path | None:
+    """The source file of a moe_lab module, found on disk: importing it would need its optional dependencies
+    (moe_lab.integrations.trl refuses to load without trl, and this check runs without it too)."""
+    path = REPO.joinpath(*name.split("."))
+    return next((f for f in (path.with_suffix(".py"), path / "__init__.py") if f.is_file()), None)
+
+
 def _is_module(name: str) -> bool:
-    if name in RECIPE_MODULES:
-        return True
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent is missing, or is a module rather than a package
-        return False
+    return name in RECIPE_MODULES or _module_file(name) is not None
+
+
+def _defines(module: str, name: str) -> bool:
+    """Whether a module's top level binds ``name`` (a def, class, assignment or import), read from its source."""
+    found = set()
+    for node in ast.parse(_module_file(module).read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return name in found
 
 
 def _unknown_imports(text: str):
@@ -245,10 +259,12 @@ def _unknown_imports(text: str):
         if not _is_module(base):
             yield m.group(0).strip(), f"no module {base}"
             continue
+        if base in RECIPE_MODULES:  # its names are the recipe's
+            continue
         # the imported names, without comments, nor the quotes and \n of an import spelled inside a string
         names = re.sub(r"#[^\n]*|\\n|[\"'()]", " ", m.group(2))
         for name in (item.split()[0] for item in names.split(",") if item.split()):
-            if name != "*" and not _is_module(f"{base}.{name}") and not hasattr(importlib.import_module(base), name):
+            if name != "*" and not _is_module(f"{base}.{name}") and not _defines(base, name):
                 yield m.group(0).strip(), f"{base} has no module or name {name}"
     for m in (*IMPORT.finditer(text), *RUN_MODULE.finditer(text)):
         if not _is_module(m.group(1)):
