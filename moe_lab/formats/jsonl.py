@@ -29,6 +29,8 @@ from moe_lab.formats.routes import Routes, RoutedSequence, decode
 from moe_lab.formats.sglang import decode_sglang, file_layers, ids_count
 from moe_lab.formats.vllm import decode_vllm
 
+# what json.loads returns for a line that is not an object, as JSON names it
+_JSON_KINDS = {int: "number", float: "number", bool: "boolean", str: "string", list: "array", type(None): "null"}
 
 
 def detect_line(line: dict) -> str:
@@ -179,9 +181,13 @@ def read_jsonl(path: str | Path, config: Any, layout: str = "auto", layers: str 
                 continue
             where = f"{path} line {n}"
             try:
-                lines.append((where, json.loads(text)))
+                line = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not JSON ({exc.msg}); expected one JSON object a line") from None
+            if not isinstance(line, dict):  # before any reader calls line.get
+                raise ValueError(f"{where}: a JSON {_JSON_KINDS.get(type(line), type(line).__name__)}, expected a "
+                                 "JSON object (prompt_ids, completion_ids, routed_experts) a line")
+            lines.append((where, line))
     if not lines:
         raise ValueError(f"{path}: no sequences (expected JSONL, one object a line, or a moe_lab trace file)")
     try:
