@@ -88,32 +88,32 @@ def verl_offpolicy(logp_engine_BT: Tensor, logp_trainer_BT: Tensor, mask_BT: Ten
 
 def verl_tis(logp_engine_BT: Tensor, logp_trainer_BT: Tensor, mask_BT: Tensor,
              threshold: float = 2.0) -> dict[str, dict[str, float]]:
-    """What verl's rollout correction would do at ``threshold`` (``rollout_is_threshold``, and
-    ``rollout_rs_threshold`` with verl's default lower bound 1/threshold), under verl's metric names, for each
-    level: ``rollout_is`` (TIS) truncates weights above the threshold (``rollout_is_ratio_fraction_high``:
-    the share of tokens, or of sequences, truncated); ``rollout_rs`` (rejection) masks what lies outside
-    [1/threshold, threshold] (``rollout_rs_masked_fraction``: tokens masked; ``rollout_rs_seq_masked_fraction``:
-    sequences with a token masked)."""
+    """What verl 0.9's rollout correction would do at ``threshold`` C, under verl's metric names, per option:
+    ``rollout_is`` (TIS, ``compute_rollout_correction_weights``) truncates weights above C:
+    ``rollout_is_ratio_fraction_high`` is the share of tokens (``token``) or of sequences (``sequence``)
+    truncated, ``..._low`` the share below 1/C. ``rollout_rs`` (rejection, ``compute_rollout_rejection_mask``)
+    with the k1 options and threshold "C" (lower bound 1/C) masks where k1 = -log r (clamped to +-20 per token)
+    leaves [ln 1/C, ln C]: per token (``token_k1``) or summed over the sequence (``seq_sum_k1``);
+    ``rollout_rs_<option>_masked_fraction`` is the share of tokens masked, ``..._seq_masked_fraction`` the
+    share of sequences with a token masked."""
     if not (isinstance(threshold, (int, float)) and 1.0 < threshold < math.inf):
         raise ValueError(f"threshold={threshold!r}; allowed a finite number > 1")
     d, keep = _log_ratio(logp_engine_BT, logp_trainer_BT, mask_BT)
     seqs = keep.any(-1)
-    hi, lo = math.log(threshold), -math.log(threshold)
-    w = torch.exp(d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    seq_d = torch.where(keep, d, torch.zeros_like(d)).sum(-1)[seqs]
-    out_tok = keep & ((w > threshold) | (w < 1.0 / threshold))
-    out_seq = (seq_d > hi) | (seq_d < lo)  # verl compares the sequence's log-ratio sum in log space
-    high, low, masked, seq_masked = (f"rollout_corr/rollout_{name}" for name in (
-        "is_ratio_fraction_high", "is_ratio_fraction_low", "rs_masked_fraction", "rs_seq_masked_fraction"))
-    return {
-        "rollout_is=token": {high: float(masked_mean((w > threshold).double(), keep)),
-                             low: float(masked_mean((w < 1 / threshold).double(), keep))},
-        "rollout_is=sequence": {high: float((seq_d > hi).double().mean()), low: float((seq_d < lo).double().mean())},
-        "rollout_rs=token": {masked: float(masked_mean(out_tok.double(), keep)),
-                             seq_masked: float(out_tok.any(-1)[seqs].double().mean())},
-        "rollout_rs=sequence": {masked: float(masked_mean(_broadcast(out_seq, keep, seqs), keep)),
-                                seq_masked: float(out_seq.double().mean())},
-    }
+    hi = math.log(threshold)
+    d_safe = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    w = torch.exp(d_safe)
+    seq_d = torch.where(keep, d, torch.zeros_like(d)).sum(-1)[seqs]  # TIS: the unclamped sum, compared in log space
+    out_tok = keep & (d_safe.abs() > hi)
+    out_seq = torch.where(keep, d_safe, torch.zeros_like(d)).sum(-1)[seqs].abs() > hi  # RS: sum of clamped k1
+    out = {"rollout_is=token": {"rollout_is_ratio_fraction_high": masked_mean((w > threshold).double(), keep),
+                                "rollout_is_ratio_fraction_low": masked_mean((w < 1 / threshold).double(), keep)},
+           "rollout_is=sequence": {"rollout_is_ratio_fraction_high": (seq_d > hi).double().mean(),
+                                   "rollout_is_ratio_fraction_low": (seq_d < -hi).double().mean()}}
+    for option, tokens in (("token_k1", out_tok), ("seq_sum_k1", _broadcast(out_seq, keep, seqs).bool() & keep)):
+        out[f"rollout_rs={option}"] = {f"rollout_rs_{option}_masked_fraction": masked_mean(tokens.double(), keep),
+                                       f"rollout_rs_{option}_seq_masked_fraction": tokens.any(-1)[seqs].double().mean()}
+    return {level: {f"rollout_corr/{k}": float(v) for k, v in d.items()} for level, d in out.items()}
 
 
 def _broadcast(per_seq: Tensor, keep: Tensor, seqs: Tensor) -> Tensor:

@@ -148,9 +148,9 @@ def _pass_lines(name: str, p: dict) -> list[str]:
         f"mismatch ({name}) TIS at {c:g}: token level truncates "
         f"{_pct(tis['rollout_is=token']['rollout_corr/rollout_is_ratio_fraction_high'])} of tokens, sequence level "
         f"{_pct(tis['rollout_is=sequence']['rollout_corr/rollout_is_ratio_fraction_high'])} of sequences; "
-        f"masking outside [1/{c:g}, {c:g}]: token level "
-        f"{_pct(tis['rollout_rs=token']['rollout_corr/rollout_rs_masked_fraction'])} of tokens ("
-        f"{_pct(tis['rollout_rs=token']['rollout_corr/rollout_rs_seq_masked_fraction'])} of sequences touched), "
-        f"sequence level {_pct(tis['rollout_rs=sequence']['rollout_corr/rollout_rs_seq_masked_fraction'])} of "
-        "sequences",
+        f"masking outside [1/{c:g}, {c:g}]: token level (token_k1) "
+        f"{_pct(tis['rollout_rs=token_k1']['rollout_corr/rollout_rs_token_k1_masked_fraction'])} of tokens ("
+        f"{_pct(tis['rollout_rs=token_k1']['rollout_corr/rollout_rs_token_k1_seq_masked_fraction'])} of sequences "
+        f"touched), sequence level (seq_sum_k1) "
+        f"{_pct(tis['rollout_rs=seq_sum_k1']['rollout_corr/rollout_rs_seq_sum_k1_seq_masked_fraction'])} of sequences",
     ]
