@@ -149,6 +149,9 @@ def test_the_trainers_logprobs_plus_known_noise_give_the_k3_of_that_noise(qwen, 
         assert m[name]["tis"]["rollout_rs=seq_sum_k1"]["rollout_corr/rollout_rs_seq_sum_k1_seq_masked_fraction"] == \
             pytest.approx((np.abs(seq_sums) > math.log(2)).mean())
     assert m["routing"]["share_removed"] == pytest.approx(0.0, abs=1e-6)
+    for i, (row, e) in enumerate(zip(m["per_sequence"], noise), 1):  # each line's own k3, named by its line
+        assert row["where"].endswith(f"n.jsonl line {i}") and row["tokens"] == e.size
+        assert row["k3_free"] == pytest.approx((np.exp(-e) - 1 + e).mean(), abs=1e-6)
     assert m["verdict"].startswith("mismatch verdict: numerics is the larger source"), m["verdict"]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from moe_lab.algos import mismatch_metrics as mm
 from moe_lab.algos.rollout_correction import DEFAULT_BOUNDS
+from moe_lab.formats.logprobs import FIELDS
 
 Tensor = torch.Tensor
 PASSES = ("free", "replayed")
@@ -47,7 +48,7 @@ def batch(checked: list) -> dict[str, Tensor] | None:
     rows = [c for c in checked if c.seq.engine_logprobs is not None and c.seq.engine_logprobs.numel()]
     if not rows:
         return None
-    out = {}
+    out: dict = {"where": [c.seq.where for c in rows]}
     out["engine"], out["mask"] = _padded([c.seq.engine_logprobs for c in rows])
     out["free"], _ = _padded([c.free.token_logp_S[c.seq.prompt_len:] for c in rows])
     if all(c.replayed is not None and c.replayed.token_logp_S is not None for c in rows):
@@ -103,7 +104,21 @@ def mismatch_report(checked: list, disagreement_L: dict[str, float],
     passes = {p: pass_report(b["engine"], b[p], b["mask"], opts) for p in PASSES if p in b}
     routing = routing_share(passes, disagreement_L)
     return {"sequences": int(b["mask"].shape[0]), "tokens": int(b["mask"].sum()), **passes, "routing": routing,
-            "verdict": verdict(routing)}
+            "per_sequence": per_sequence(b), "verdict": verdict(routing)}
+
+
+def per_sequence(b: dict) -> list[dict]:
+    """Each sequence's own figures (``where``: FILE line N): its tokens, and per pass its k3 and max |d|."""
+    keep = b["mask"]
+    rows = [{"where": w, "tokens": int(n)} for w, n in zip(b["where"], keep.sum(-1).tolist())]
+    for p in PASSES:
+        if p not in b:
+            continue
+        d = torch.where(keep, b[p] - b["engine"], torch.zeros_like(b[p]))
+        k3 = ((torch.exp(d) - 1 - d) * keep).sum(-1) / keep.sum(-1)
+        for row, k, m in zip(rows, k3.tolist(), d.abs().amax(-1).tolist()):
+            row[f"k3_{p}"], row[f"abs_delta_max_{p}"] = k, m
+    return rows
 
 
 def _pct(x: float) -> str:
@@ -113,8 +128,7 @@ def _pct(x: float) -> str:
 def report_lines(report: dict | None) -> list[str]:
     """The report's section of check-trace's output (the first two lines are the ones it always printed)."""
     if report is None:
-        return ["mismatch: no engine log-probs in FILE (completion_logprobs, rollout_log_probs, generation_logprobs, "
-                "inference_logprobs, output_token_logprobs or logprobs)"]
+        return [f"mismatch: no engine log-probs in FILE (any of {', '.join(FIELDS)})"]
     out = []
     for name in PASSES:
         if name in report:

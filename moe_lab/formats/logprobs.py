@@ -111,5 +111,5 @@ def sample_logprobs(value: Any, field: str, n_completion: int) -> Tensor | None:
     """A file layout's per-completion-token list (slime's ``rollout_log_probs``), as strictly; None: absent."""
     if value is None:
         return None
-    values = value.tolist() if isinstance(value, torch.Tensor) else value
+    values = value.tolist() if hasattr(value, "tolist") else value  # a tensor or numpy array: its numbers
     return _per_token(list(values) if isinstance(values, tuple) else values, field, [], [0] * n_completion, False)
