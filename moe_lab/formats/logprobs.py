@@ -4,7 +4,8 @@ Each field below is a stack's own name for the log-probs its engine assigned to 
 (docs/traces.md, "Engine log-probs"); a line carries at most one (the first present, in this order, is read).
 Every reader is strict, as the routes are: exactly one log-prob per completion token (or, for the fields a
 stack aligns with the whole sequence, one per token of prompt and completion, the prompt's ignored), each a
-finite number <= 0 (a log-probability); a field that does not fit is one ValueError naming it.
+finite number <= 0 (a log-probability; 1e-6 above 0 is let pass as rounding); a field that does not fit is one
+ValueError naming it.
 
 | field | stack | form |
 |---|---|---|
