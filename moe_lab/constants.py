@@ -33,6 +33,9 @@ ROLLOUT_SEEDINGS = ("per_group", "sequential")
 ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "tis_seq": (None, 2.0),
                              "mis_token": (None, 2.0), "mis_seq": (None, 2.0), "icepop": (0.5, 5.0)}
 ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_BOUNDS)
+# check-trace's outlier threshold of NeMo-RL's seq_mult_prob_error: NeMo-RL's grpo.seq_logprob_error_threshold has no
+# default (None: metrics only); 1.5 is the example its config's comment gives
+SEQ_ERROR_THRESHOLD = 1.5
 
 # the model.family choices, in the order moe_lab.models.families.FAMILIES lists them (each needs a FamilySpec there)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss",

@@ -176,6 +176,8 @@ def test_replay_that_does_not_reach_the_experts_is_a_fault(dumped, tmp_path, cap
     ("not_a_layout", "line 1: routed_experts: int is none of the layouts"),
     ("bad_layers", "line 1: routed_experts: 5 layer rows fit no layer numbering"),
     ("not_json", "line 1: not JSON"),
+    ("a_number", "line 1: a JSON number, expected a JSON object"),
+    ("an_array", "line 1: a JSON array, expected a JSON object"),
     ("no_model", "--model=.*no config.json"),
     ("unsupported", "model_type='llama' is not a family moe_lab serves"),
 ])
@@ -186,7 +188,7 @@ def test_bad_input_is_one_line_exit_2_and_loads_no_model(dumped, tmp_path, capsy
     s = seqs[0]
     lines = {"not_a_layout": write_line(s, {"routed_experts": 3}),
              "bad_layers": write_line(s, {"routed_experts": [[[1, 2]] * 5] * 4}),
-             "not_json": "{oops"}
+             "not_json": "{oops", "a_number": "3", "an_array": "[1, 2]"}
     if case in lines:
         file.write_text(lines[case] + "\n")
     elif case != "no_file":

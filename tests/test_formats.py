@@ -188,21 +188,30 @@ def test_to_trace_refuses_missing_routes():
     assert to_trace([full], num_experts=EXPERTS, family="qwen3_moe").shape == (2, 1, 4, TOP_K)
 
 
-def test_numberings_of_one_length_are_pinned_by_the_layout_or_named_as_ambiguous():
-    """One dense layer and one MTP layer (GLM-4.5-Air's shape): `decoder` and `moe+mtp` both have 3 rows, and
-    the same bytes read either way (a dense row 0 or an unused MTP row 2 are both all zero). vLLM writes the
-    backbone only (pinned: `decoder`); an unpinned layout (verl rows) names both readings and the flag;
-    `layers=` picks one."""
+def test_numberings_of_one_length_are_pinned_by_the_layout_by_an_empty_row_or_named_as_ambiguous():
+    """One dense layer and one MTP layer (GLM-4.5-Air's shape): `decoder` and `moe+mtp` both have 3 rows. vLLM
+    writes the backbone only (pinned: `decoder`). An unpinned layout (verl rows) is decided by a row that is
+    [0, 0] at every position - a placeholder no top-k router writes - when one reading keeps it as an MoE layer
+    and the other drops it; where no such row decides, both readings and the flag are named; `layers=` picks."""
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1,
               "num_nextn_predict_layers": 1, "num_experts_per_tok": 2, "n_routed_experts": 8}
     rows = torch.tensor([[[0, 0], [1, 2], [3, 4]], [[0, 0], [5, 6], [7, 1]]])
+    mask = torch.ones(1, 2, dtype=torch.long)
     for r in (rows, rows.roll(-1, dims=1)):  # the decoder axis, and the same routes one row early
         assert vllm.decode_vllm(r, config=config).layer_kind == "decoder"
+    [dec] = verl.decode_verl(rows[None], mask, config=config)  # row 0 empty: only `decoder` drops it
+    assert dec.layer_kind == "decoder" and dec.ids_LSK[:, 0].tolist() == [[1, 2], [3, 4]]
+    [mtp] = verl.decode_verl(rows.roll(-1, dims=1)[None], mask, config=config)  # row 2 empty: `moe+mtp` drops it
+    assert mtp.layer_kind == "moe+mtp" and mtp.ids_LSK[:, 0].tolist() == [[1, 2], [3, 4]]
+    for undecided in (rows.clone(), torch.zeros_like(rows)):  # no empty row, and every row empty
+        undecided[1, 0] = torch.tensor([2, 3]) if undecided.any() else 0
         with pytest.raises(AmbiguousLayerAxis, match=r"decoder and moe\+mtp .*--layers decoder\|moe\+mtp") as err:
-            verl.decode_verl(r[None], torch.ones(1, 2, dtype=torch.long), config=config)
+            verl.decode_verl(undecided[None], mask, config=config)
         assert err.value.kinds == ["decoder", "moe+mtp"]
-    shifted = verl.decode_verl(rows.roll(-1, dims=1)[None], torch.ones(1, 2, dtype=torch.long), config=config,
-                               layers="moe+mtp")[0]
+    one = {**config, "num_experts_per_tok": 1}  # top_k 1: a 0 is expert 0, no evidence of an empty row
+    with pytest.raises(AmbiguousLayerAxis):
+        verl.decode_verl(rows[..., :1][None], mask, config=one)
+    shifted = verl.decode_verl(rows.roll(-1, dims=1)[None], mask, config=config, layers="moe+mtp")[0]
     assert shifted.layer_kind == "moe+mtp" and shifted.ids_LSK[:, 0].tolist() == [[1, 2], [3, 4]]
 
 

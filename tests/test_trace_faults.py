@@ -102,14 +102,21 @@ def test_nemo_rl_placeholder_rows_in_dense_layers_are_no_route(dense_first, tmp_
     assert routes.dropped_nonzero == () and routes.equals(seqs[0].routes)
 
 
-def test_glm_shape_axis_is_pinned_by_the_layout_or_named_ambiguous(tmp_path_factory, tmp_path, capsys):
+def test_glm_shape_axis_is_pinned_by_the_layout_or_an_empty_row_or_named_ambiguous(tmp_path_factory, tmp_path,
+                                                                                    capsys):
     """decoder (3 rows) and moe+mtp (3 rows) read the same bytes: vLLM pins decoder; rows of an unpinned
-    layout (verl) are ambiguous-layer-axis with the flag named; --layers picks; a missing layer is
+    layout (verl) whose row 0 is [0, 0] at every token (no top-k router writes that) are the decoder axis;
+    where no row decides, ambiguous-layer-axis with the flag named; --layers picks; a missing layer is
     missing-layer; the routes one row early are a layer shift, never a clean moe+mtp reading."""
     path, config, seqs, _ = _dump(tmp_path_factory, "glm4_moe")
     rows = [_decoder_rows(s, config) for s in seqs]
     clean = _rows_file(tmp_path / "c.jsonl", seqs, rows)
     code, out, _ = _run(capsys, clean, path, "--format", "verl")
+    assert code == 0 and _agreement(out) == 1.0 and "layer axis decoder" in out, out
+    undecided = [r.copy() for r in rows]
+    for r in undecided:  # row 0 carries ids at one position: neither reading is excluded
+        r[0, 0] = r[0, 1]
+    code, out, _ = _run(capsys, _rows_file(tmp_path / "u.jsonl", seqs, undecided), path, "--format", "verl")
     assert code == 1 and _named(out) == ["ambiguous-layer-axis"], out
     assert "--layers decoder|moe+mtp" in out
     code, out, _ = _run(capsys, clean, path, "--format", "verl", "--layers", "decoder")

@@ -184,6 +184,8 @@ def layout_fields(layout: str, seq: RoutedSequence, config: dict) -> dict:
     raise ValueError(layout)
 
 
-def write_jsonl(path: Path, sequences: list[RoutedSequence], layout: str, config: dict) -> Path:
-    path.write_text("".join(write_line(s, layout_fields(layout, s, config)) + "\n" for s in sequences))
+def write_jsonl(path: Path, sequences: list[RoutedSequence], layout: str, config: dict,
+                logprobs: str = "moe_lab") -> Path:
+    """``logprobs``: the stack whose field carries the engine's log-probs (trace_writers.write_logprobs)."""
+    path.write_text("".join(write_line(s, layout_fields(layout, s, config), logprobs) + "\n" for s in sequences))
     return path

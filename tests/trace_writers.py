@@ -23,6 +23,7 @@ import torch
 
 from moe_lab.formats import nemo_rl, prime_rl, sglang
 from moe_lab.formats.layers import layer_map, layer_maps
+from moe_lab.formats.logprobs import FIELDS
 from moe_lab.formats.routes import Routes, RoutedSequence
 
 
@@ -131,10 +132,32 @@ def write_slime(path: str | Path, sequences: list[RoutedSequence], *, config: An
     torch.save({"rollout_id": rollout_id, "samples": samples}, str(path))
 
 
-def write_line(seq: RoutedSequence, line_routes: dict) -> str:
-    """One JSONL line: the tokens of ``seq`` and the layout fields in ``line_routes``."""
+def write_logprobs(seq: RoutedSequence, stack: str = "moe_lab") -> dict:
+    """The engine's log-probs of ``seq``'s completion tokens as ``stack`` holds them, in its own field (the
+    reader's names, formats.logprobs.FIELDS): one per completion token, or aligned with the whole sequence with
+    0.0 on the prompt (NeMo-RL's train_data rows, prime-rl's TrainingSample), SGLang's [logprob, token_id,
+    text] triples, vLLM's {token_id: Logprob} per position, the OpenAI server's chat object."""
+    lp, completion = seq.engine_logprobs.tolist(), seq.tokens[seq.prompt_len:].tolist()
+    whole = [0.0] * seq.prompt_len + lp
+    fields = {"moe_lab": ("completion_logprobs", lp), "verl": ("rollout_log_probs", lp),
+              "slime": ("rollout_log_probs", lp), "nemo_rl": ("generation_logprobs", whole),
+              "prime_rl": ("inference_logprobs", whole),
+              "sglang": ("output_token_logprobs", [[x, t, None] for x, t in zip(lp, completion)]),
+              "vllm": ("logprobs", [{str(t): {"logprob": x, "rank": 1, "decoded_token": None}}
+                                    for x, t in zip(lp, completion)]),
+              "openai": ("logprobs", {"content": [{"token": "", "logprob": x, "bytes": None, "top_logprobs": []}
+                                                  for x in lp]})}
+    field, value = fields[stack]
+    if field not in FIELDS:
+        raise ValueError(f"{field} is not a field formats.logprobs reads")
+    return {field: value}
+
+
+def write_line(seq: RoutedSequence, line_routes: dict, logprobs: str = "moe_lab") -> str:
+    """One JSONL line: the tokens of ``seq``, the layout fields in ``line_routes`` and, when ``seq`` carries
+    them, the engine's log-probs in stack ``logprobs``'s field (``write_logprobs``)."""
     completion = seq.tokens[seq.prompt_len:].tolist()
     line = {"prompt_ids": seq.tokens[: seq.prompt_len].tolist(), "completion_ids": completion, **line_routes}
     if seq.engine_logprobs is not None:
-        line["completion_logprobs"] = seq.engine_logprobs.tolist()
+        line.update(write_logprobs(seq, logprobs))
     return json.dumps(line)

@@ -21,7 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_lab.audit.trace_audit import check_inputs, report_lines, run_check  # torch-free at import
+from moe_lab.audit.trace_audit import check, check_inputs, report_lines  # torch-free at import
+from moe_lab.constants import ROLLOUT_CORRECTION_BOUNDS, SEQ_ERROR_THRESHOLD
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -43,7 +44,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                    "(accelerate spreads the layers over the GPUs, then CPU memory)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="model dtype (default auto: the checkpoint's own, config.json's dtype)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the whole report (agreement, faults, lines, the mismatch report) as JSON to PATH")
+    p.add_argument("--tis-threshold", type=float, default=ROLLOUT_CORRECTION_BOUNDS["tis_token"][1], metavar="C",
+                   help="the mismatch report's TIS threshold (verl's rollout_is_threshold; masking outside [1/C, C]; "
+                        "default %(default)s)")
+    p.add_argument("--seq-error-threshold", type=float, default=SEQ_ERROR_THRESHOLD, metavar="X",
+                   help="NeMo-RL's seq_logprob_error_threshold for the outlier share of seq_mult_prob_error "
+                        "(default %(default)s)")
     return p
+
+
+def _options(args):
+    """The mismatch report's thresholds (and --json's folder), checked before any work."""
+    from moe_lab.audit.trace_mismatch import MismatchOptions
+
+    for flag, value in (("--tis-threshold", args.tis_threshold), ("--seq-error-threshold", args.seq_error_threshold)):
+        if not (1.0 < value < float("inf")):
+            raise ValueError(f"{flag}={value}: allowed a finite number > 1")
+    if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
+        raise ValueError(f"--json={args.json}: its folder does not exist")
+    return MismatchOptions(args.tis_threshold, args.seq_error_threshold)
 
 
 def read_config(model_dir: str) -> dict:
@@ -121,14 +142,20 @@ def main(args) -> int:
     from moe_lab.models import checkpoint_dtype
 
     config = read_config(args.model)
+    options = _options(args)
     device = _device(args.device)
     if not Path(args.file).is_file():
         raise ValueError(f"FILE={args.file}: no such file (expected a JSONL dump or a moe_lab trace file)")
     try:
         sequences = read_input(args.file, config, args.format, args.layers)
     except AmbiguousLayerAxis as exc:  # a fault of the dump, not unreadable input: exit 1 naming the flag
+        faults = [("ambiguous-layer-axis", str(exc))]
+        lines = report_lines([], faults, float("nan"))
         print(f"check-trace: {args.file}: layer axis not decided")
-        print("\n".join(report_lines([], [("ambiguous-layer-axis", str(exc))], float("nan"))))
+        print("\n".join(lines))
+        if args.json:
+            _write_json(args.json, {"file": args.file, "layout": None, "layer_axis": None}, faults, float("nan"),
+                        lines, None)
         return 1
     check_inputs(sequences, config)
     if args.dtype == "auto":
@@ -136,6 +163,18 @@ def main(args) -> int:
     model = _load_checkpoint(args.model, device, args.dtype)
     kind = sequences[0].routes
     print(f"check-trace: {args.file}: {len(sequences)} sequences, layout {kind.layout}, layer axis {kind.layer_kind}")
-    lines, faults, agreement = run_check(sequences, model, config, input_device(model))
-    print("\n".join(report_lines(lines, faults, agreement)))
-    return 1 if faults else 0
+    report = check(sequences, model, config, input_device(model), options)
+    lines = report_lines(report.lines, report.faults, report.agreement)
+    print("\n".join(lines))
+    if args.json:
+        _write_json(args.json, {"file": args.file, "layout": kind.layout, "layer_axis": kind.layer_kind},
+                    report.faults, report.agreement, lines, report.mismatch)
+    return 1 if report.faults else 0
+
+
+def _write_json(path: str, header: dict, faults: list, agreement: float, lines: list[str], mismatch) -> None:
+    """The report as one JSON object (docs/traces.md, "The mismatch report"); agreement null when not measured."""
+    Path(path).write_text(json.dumps({
+        **header, "agreement": agreement if agreement == agreement else None,
+        "faults": [{"name": n, "detail": d} for n, d in faults], "lines": lines, "mismatch": mismatch},
+        indent=1) + "\n", encoding="utf-8")

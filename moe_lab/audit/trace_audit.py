@@ -10,6 +10,7 @@ that ran. Torch and the model code are imported inside the functions: importing 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -23,10 +24,29 @@ def check_inputs(sequences: list, config: dict) -> None:
             raise ValueError(f"{seq.where}: token ids out of range for vocab_size={config.get('vocab_size')}")
 
 
+@dataclass
+class CheckReport:
+    """What one check found: the report lines (``agreement`` last comes from ``report_lines``), the faults, the
+    overall agreement and the mismatch report (audit.trace_mismatch; None without engine log-probs)."""
+
+    lines: list[str]
+    faults: list[tuple[str, str]]
+    agreement: float
+    mismatch: dict | None = None
+
+
 def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[list[str], list[tuple[str, str]], float]:
     """(report lines, faults, overall agreement) for sequences already read."""
+    report = check(sequences, model, config, device)
+    return report.lines, report.faults, report.agreement
+
+
+def check(sequences: list, model: Any, config: dict, device: Any, options: Any = None) -> CheckReport:
+    """The check of sequences already read; ``options``: trace_mismatch.MismatchOptions (None: defaults)."""
     import moe_lab.audit.trace_report as rep
     from moe_lab.audit.trace_faults import verdict
+    from moe_lab.audit.trace_mismatch import MismatchOptions, mismatch_report
+    from moe_lab.audit.trace_mismatch import report_lines as mismatch_lines
     from moe_lab.audit.trace_run import forced_trace, free_pass, replay_pass
     from moe_lab.formats.layers import moe_layer_indices, num_experts
     from moe_lab.models import moe_layers
@@ -54,8 +74,11 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
     for c, at in zip(checked, logp_from):
         c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device, at)
     replay_line, fault = rep.replay_fault(checked, E)
-    lines += rep.mismatch_lines(checked) + [replay_line]
-    return lines, faults + ([fault] if fault else []), t.agreement
+    disagreement = {f"layer {names[l]}": 1 - float(t.agree_L[l]) / float(t.usable_L[l])
+                    for l in range(len(names)) if int(t.usable_L[l])}
+    mismatch = mismatch_report(checked, disagreement, options or MismatchOptions())
+    lines += mismatch_lines(mismatch) + [replay_line]
+    return CheckReport(lines, faults + ([fault] if fault else []), t.agreement, mismatch)
 
 
 def _frac(num, den) -> str:

@@ -276,22 +276,3 @@ def replay_fault(checked: list[Checked], num_experts: int) -> tuple[str, tuple[s
     return line, ("replay-no-effect", f"under replay the experts run differ from the trace's on {differ} of "
                                       f"{total} covered slots: the forced routes did not reach the experts "
                                       "(a fused MoE path or a router the hooks do not see)")
-
-
-def mismatch_lines(checked: list[Checked]) -> list[str]:
-    """Engine vs trainer log-probs of the completion tokens (free routing and under replay), when carried."""
-    pairs = [(c.seq.engine_logprobs, c.free.token_logp_S[c.seq.prompt_len:],
-              None if c.replayed is None else c.replayed.token_logp_S[c.seq.prompt_len:])
-             for c in checked if c.seq.engine_logprobs is not None]
-    if not pairs:
-        return ["mismatch: no engine log-probs in FILE (completion_logprobs)"]
-    out = []
-    for name, idx in (("free", 1), ("replayed", 2)):
-        if any(p[idx] is None for p in pairs):
-            continue
-        d = torch.cat([p[idx] - p[0] for p in pairs])
-        k3 = (torch.exp(d) - 1 - d).mean()  # k3 estimator of KL(engine || trainer) on the engine's samples
-        out.append(f"mismatch ({name}): {d.numel()} tokens, mean |logp_trainer - logp_engine| "
-                   f"{d.abs().mean():.3g}, max {d.abs().max():.3g}, k3 KL {k3:.3g}")
-    return out
-

@@ -3,8 +3,9 @@
 A line holds ``prompt_ids`` and ``completion_ids`` (lists of ints) and ``routed_experts`` in any layout of
 moe_lab.formats; optionally ``prompt_routed_experts`` (vLLM's OpenAI server splits the prompt's rows off),
 ``routed_experts_start_len`` (or ``start``: SGLang's first position covered; prime-rl carries its own
-``start`` inside its object), and the engine's log-probs of the completion tokens as ``completion_logprobs``
-(or ``logprobs``, when that is a list of numbers). ``format`` on a line, or ``--format``, names the layout;
+``start`` inside its object), and the engine's log-probs of the completion tokens under any stack's own name
+(formats.logprobs.FIELDS: ``completion_logprobs``, verl's and slime's ``rollout_log_probs``, ...).
+``format`` on a line, or ``--format``, names the layout;
 else it is detected from the value:
 
   "nrlre1:..."                        nemo_rl     {"data", "shape", ...}      prime_rl
@@ -24,11 +25,14 @@ import torch
 
 from moe_lab.formats import nemo_rl, prime_rl
 from moe_lab.formats.layers import AmbiguousLayerAxis
+from moe_lab.formats.logprobs import engine_logprobs
 from moe_lab.formats.names import FILE_FORMATS, FORMATS, LINE_FORMATS
 from moe_lab.formats.routes import Routes, RoutedSequence, decode
 from moe_lab.formats.sglang import decode_sglang, file_layers, ids_count
 from moe_lab.formats.vllm import decode_vllm
 
+# what json.loads returns for a line that is not an object, as JSON names it
+_JSON_KINDS = {int: "number", float: "number", bool: "boolean", str: "string", list: "array", type(None): "null"}
 
 
 def detect_line(line: dict) -> str:
@@ -111,23 +115,6 @@ def _ids(line: dict, key: str) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.int64)
 
 
-def _numbers(value: Any, n: int) -> bool:
-    return isinstance(value, list) and len(value) == n and \
-        all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
-
-
-def _logprobs(line: dict, n_completion: int) -> torch.Tensor | None:
-    """``completion_logprobs`` (strict: one number per completion token), else ``logprobs`` when it is such a
-    list (an OpenAI-style logprobs object is not one, and is ignored)."""
-    value = line.get("completion_logprobs")
-    if value is not None:
-        if not _numbers(value, n_completion):
-            raise ValueError(f"completion_logprobs: expected {n_completion} numbers (one per completion token)")
-        return torch.tensor(value, dtype=torch.float64)
-    value = line.get("logprobs")
-    return torch.tensor(value, dtype=torch.float64) if _numbers(value, n_completion) else None
-
-
 def _checked(line: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(line, dict):
         raise ValueError("expected a JSON object with prompt_ids, completion_ids and routed_experts")
@@ -142,7 +129,8 @@ def parse_line(line: dict, config: Any, layout: str = "auto", where: str = "", l
     layout = detect_line(line) if layout == "auto" else layout
     tokens = torch.cat([prompt, completion])
     routes = _decode_line(layout, line, config, tokens.numel(), layers)
-    return RoutedSequence(tokens, prompt.numel(), routes, _logprobs(line, completion.numel()), where)
+    logp = engine_logprobs(line, prompt.tolist(), completion.tolist())
+    return RoutedSequence(tokens, prompt.numel(), routes, logp, where)
 
 
 def _sglang_layers(lines: list[tuple[str, Any]], config: Any, layout: str, layers: str) -> str:
@@ -179,9 +167,13 @@ def read_jsonl(path: str | Path, config: Any, layout: str = "auto", layers: str 
                 continue
             where = f"{path} line {n}"
             try:
-                lines.append((where, json.loads(text)))
+                line = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not JSON ({exc.msg}); expected one JSON object a line") from None
+            if not isinstance(line, dict):  # before any reader calls line.get
+                raise ValueError(f"{where}: a JSON {_JSON_KINDS.get(type(line), type(line).__name__)}, expected a "
+                                 "JSON object (prompt_ids, completion_ids, routed_experts) a line")
+            lines.append((where, line))
     if not lines:
         raise ValueError(f"{path}: no sequences (expected JSONL, one object a line, or a moe_lab trace file)")
     try:

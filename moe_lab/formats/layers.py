@@ -176,12 +176,15 @@ class AmbiguousLayerAxis(ValueError):
 
 
 def layer_map(config: Any, axis_len: int, kind: str = "auto", *, what: str = "routed_experts",
-              allowed: tuple[str, ...] | None = None) -> LayerMap:
+              allowed: tuple[str, ...] | None = None, empty_rows: tuple[int, ...] = ()) -> LayerMap:
     """The numbering a layer axis of ``axis_len`` rows follows; ``kind`` names one (``--layers``), "auto" picks
     by length among ``allowed`` (the numberings the producer writes, ``LAYOUT_AXES``; None: any).
 
     Two numberings of one length with different rows (one dense and one MTP layer: ``decoder`` and
-    ``moe+mtp``) are never told apart by the data: without a pin that is ``AmbiguousLayerAxis``.
+    ``moe+mtp``) read the same bytes two ways. ``empty_rows``: axis rows that carry no route at any position
+    (all-zero top-k rows, a placeholder no top-k router writes, or missing markers). A numbering that would
+    read such a row as an MoE layer is excluded when another one drops it; when that leaves exactly one, it is
+    the reading. Otherwise, without a pin, that is ``AmbiguousLayerAxis``.
     """
     maps = layer_maps(config)
     if kind != "auto":
@@ -197,6 +200,9 @@ def layer_map(config: Any, axis_len: int, kind: str = "auto", *, what: str = "ro
     fits = {m.rows: m for k, m in maps.items() if m.axis_len == axis_len and (allowed is None or k in allowed)}
     if len(fits) == 1:  # "moe" before "decoder": without a dense layer they are the same rows
         return next(iter(fits.values()))
+    keeps_no_empty = [m for m in fits.values() if not set(m.rows) & set(empty_rows)]
+    if len(fits) > 1 and len(keeps_no_empty) == 1:  # the evidence of an empty row decides the axis
+        return keeps_no_empty[0]
     if fits:
         raise AmbiguousLayerAxis(what, axis_len, [m.kind for m in fits.values()])
     other = [k for k, m in maps.items() if m.axis_len == axis_len]

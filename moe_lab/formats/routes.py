@@ -117,7 +117,9 @@ def decode(rows_SAK: Any, config: Any, *, start: int = 0, num_tokens: int | None
     if layout not in LAYOUT_AXES:  # a layout added without saying which numberings its producer writes
         raise ValueError(f"layout={layout!r} has no entry in formats.layers.LAYOUT_AXES; allowed "
                          f"{', '.join(LAYOUT_AXES)}")
-    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES[layout])
+    # a row without a route at any position: evidence for a numbering that drops it (formats.layers.layer_map)
+    empty = tuple(_missing_SA(rows).all(0).nonzero().flatten().tolist()) if rows.shape[0] else ()
+    lmap = layer_map(config, rows.shape[1], layers, what=what, allowed=LAYOUT_AXES[layout], empty_rows=empty)
     S = start + rows.shape[0] if num_tokens is None else int(num_tokens)
     excess = max(0, start + rows.shape[0] - S)
     rows = rows[: max(0, rows.shape[0] - excess)]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from moe_lab.formats.logprobs import sample_logprobs
 from moe_lab.formats.routes import RoutedSequence, as_int_tensor, decode
 
 
@@ -38,8 +39,7 @@ def _sequence(sample: Any, config: Any, where: str, layers: str = "auto") -> Rou
     response = int(sample["response_length"])
     routes = decode(sample["rollout_routed_experts"], config, num_tokens=tokens.numel(), layout="slime",
                     layers=layers, what=f"{where}: rollout_routed_experts")
-    logp = sample.get("rollout_log_probs")
-    logp = None if logp is None or len(logp) != response else torch.as_tensor(logp, dtype=torch.float64)
+    logp = sample_logprobs(sample.get("rollout_log_probs"), f"{where}: rollout_log_probs", response)
     return RoutedSequence(tokens, tokens.numel() - response, routes, logp, where)
 
 
