@@ -38,6 +38,7 @@ from moe_lab.rl.step import minibatch_indices, rl_step
 from moe_lab.tasks import get_task
 
 PHASES = ("rollout", "old", "update")
+CALLS = {"decode": 20, "prefill": 2, "train": 3}  # calls per timed sample of the experts alone
 
 
 def gemms(model, M: int, ctx: float) -> tuple[list[tuple[int, int, int, int]], float]:
@@ -150,6 +151,43 @@ def logged(model, opt, task, cfg, prompts, step: int) -> float:
     return rows[0]["perf/step_s"]
 
 
+def experts_only(name: str, paths: list[str], repeats: int) -> None:
+    """The first MoE layer's experts alone at the organism's shapes (decode: one token per sequence; prefill: every
+    token; train: forward + backward over one minibatch), paths interleaved: less noisy than whole steps."""
+    setups = {path: organism(name, path, None) for path in paths}
+    cfg, task, model, _, _ = setups[paths[0]]
+    B, S = cfg.rl.prompts_per_step * cfg.rl.group_size, task.max_new_tokens * 2
+    layer = moe_layers(model)[0]
+    gen = torch.Generator().manual_seed(0)
+    cases = {"decode": B, "prefill": B * S, "train": B * S // cfg.rl.minibatches}
+    inputs = {}
+    for case, N in cases.items():
+        h = torch.randn(N, cfg.model.hidden_size, generator=gen)
+        with torch.no_grad():
+            weights, ids = layer.family.select(layer.router, torch.nn.functional.linear(h, layer.router.weight))
+        inputs[case] = (h, ids, weights)
+    experts = {p: next(m for m in setups[p][2].modules() if hasattr(m, "gate_up_proj")) for p in paths}
+    times = {(c, p): [] for c in cases for p in paths}
+    for _ in range(repeats + 1):
+        for case, (h, ids, w) in inputs.items():
+            for path, mod in experts.items():
+                t0 = time.perf_counter()
+                for _ in range(CALLS[case]):
+                    if case == "train":
+                        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+                        mod(hh, ids, ww).square().sum().backward()
+                    else:
+                        with torch.no_grad():
+                            mod(h, ids, w)
+                times[(case, path)].append((time.perf_counter() - t0) / CALLS[case])
+    line = []
+    for case, N in cases.items():
+        med = {p: statistics.median(times[(case, p)][1:]) for p in paths}
+        line.append(f"{case} (N={N}) " + " ".join(f"{p} {med[p] * 1e3:.2f} ms" for p in paths)
+                    + f" -> {med[paths[0]] / med[paths[-1]]:.2f}x")
+    print(f"{name}: experts only, one layer: " + "; ".join(line))
+
+
 def measure(name: str, paths: list[str], dtype: str | None, repeats: int, rates: Rates) -> None:
     setups = {path: organism(name, path, dtype) for path in paths}
     runs = {path: [] for path in paths}
@@ -199,6 +237,7 @@ def main() -> None:
     rates = Rates()
     print(f"threads={args.threads} repeats={args.repeats} (medians; paths interleaved in each round)")
     for name in args.organisms.split(","):
+        experts_only(name, args.paths.split(","), args.repeats * 3)
         for dtype in [None] if args.dtypes == "own" else args.dtypes.split(","):
             measure(name, args.paths.split(","), dtype, args.repeats, rates)
 

@@ -35,10 +35,11 @@ class _Plan:
         self.ids_S, self.perm_S = torch.sort(top_k_index_NK.reshape(-1), stable=True)
         self.tok_S = self.perm_S // K
         self.weight_S = top_k_weights_NK.reshape(-1)[self.perm_S]
-        counts_E = torch.bincount(self.ids_S, minlength=num_experts)
-        self.offs_E = counts_E.cumsum(0).to(torch.int32)  # _grouped_mm's group ends
-        counts, ends = counts_E.tolist(), self.offs_E.tolist()  # one host sync per layer
-        self.blocks = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, ends)) if n]
+        # each expert's end in the sorted slots (searchsorted, not bincount: no atomics on CUDA)
+        bounds_E = torch.arange(1, num_experts + 1, device=self.ids_S.device, dtype=self.ids_S.dtype)
+        self.offs_E = torch.searchsorted(self.ids_S, bounds_E).to(torch.int32)  # _grouped_mm's group ends
+        ends = self.offs_E.tolist()  # one host sync per layer
+        self.blocks = [(e, a, b) for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends)) if b > a]
 
 
 def _weights(module: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
@@ -150,7 +151,7 @@ def _down_backward(module, plan: _Plan, grad_NH: Tensor, h_SI: Tensor, params, g
     for e, a, b in plan.blocks:
         g = grad_NH.index_select(0, plan.tok_S[a:b])
         hw = h_SI[a:b] * w_S[a:b].unsqueeze(-1)
-        g_down[e] += hw.t() @ g if module.is_transposed else g.t() @ hw
+        g_down[e].addmm_(hw.t(), g) if module.is_transposed else g_down[e].addmm_(g.t(), hw)
         torch.mm(g, _w(down[e], module.is_transposed).t(), out=d_hw_SI[a:b])
         if down_bias is not None:
             g_down_bias[e] += w_S[a:b] @ g
@@ -167,10 +168,10 @@ def _up_backward(module, plan: _Plan, hidden_NH: Tensor, d_gu_SO: Tensor, params
     for e, a, b in plan.blocks:
         tok, d_gu = plan.tok_S[a:b], d_gu_SO[a:b]
         x = hidden_NH.index_select(0, tok)
-        g_up[e] += x.t() @ d_gu if module.is_transposed else d_gu.t() @ x
+        g_up[e].addmm_(x.t(), d_gu) if module.is_transposed else g_up[e].addmm_(d_gu.t(), x)
+        if up_bias is not None:
+            g_up_bias[e] += d_gu.sum(0)
         grad_hidden_NH.index_add_(0, tok, (d_gu @ _w(up[e], module.is_transposed).t()).to(grad_hidden_NH.dtype))
-    if up_bias is not None:
-        g_up_bias.index_add_(0, plan.ids_S, d_gu_SO.to(g_up_bias.dtype))
     return grad_hidden_NH
 
 
