@@ -11,8 +11,9 @@ and adds each expert's input gradient into one [N, H] buffer (autograd's gather 
 Bits: the same math as grouped_mm in another order (the weight multiplies before down, the K contributions add in
 expert order): not bit-identical to it, within ~1e-7 relative in fp32 (tests/test_experts_fused.py bounds it at
 1e-6 on logits and gradients). Deterministic on CPU and CUDA: a token reaches an expert at most once, so no
-index_add call sees a duplicate index, and the experts add in a fixed order. Registered through transformers'
-``ExpertsInterface`` (the supported way to add an experts implementation), under ``constants.FUSED_EXPERTS``.
+per-expert index_add sees a duplicate index, and the experts add in a fixed order (the one combine of small batches
+runs on CPU only, where index_add is sequential). Registered through transformers' ``ExpertsInterface`` (the
+supported way to add an experts implementation), under ``constants.FUSED_EXPERTS``.
 """
 
 from __future__ import annotations
