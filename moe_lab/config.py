@@ -62,7 +62,10 @@ class ModelConfig:
                                       "output depends on its routing alone. The other families have none: there it "
                                       "changes nothing")
     max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
-    experts_impl: str = param("grouped_mm", "transformers experts kernel; batched_mm is ~50x slower on CPU and refused",
+    experts_impl: str = param("grouped_mm", "routed experts' forward: transformers' grouped_mm or eager, or fused "
+                                            "(moe_lab/models/experts.py: no tokens x top-k x hidden temporaries; "
+                                            "within 1e-6 of grouped_mm, not its bits; docs/guide.md says when); "
+                                            "batched_mm is ~50x slower on CPU and refused",
                               choices=C.EXPERTS_KERNELS)
     device: str = param("cpu", "where the policy runs: cpu, cuda, or auto (cuda when visible). Training is fp32 "
                                "on either; the CUDA path passed scripts/gpu_check.sh's tests on one H200 (results/reference/gpu)",

@@ -52,7 +52,9 @@ BIAS_COUNT_DTYPES = ("float32", "bfloat16")  # dtype the expert-bias token count
 # The single tasks; "mixture" composes several of them (task.mixture), each prompt tagged with its task.
 SINGLE_TASKS = ("sort", "addition", "reverse", "long_addition", "long_copy")
 TASKS = (*SINGLE_TASKS, "mixture")
-EXPERTS_KERNELS = ("grouped_mm", "eager")  # batched_mm is ~50x slower on CPU: refused
+# fused: moe_lab/models/experts.py (no tokens x top-k x hidden temporaries); batched_mm is ~50x slower on CPU: refused
+FUSED_EXPERTS = "fused"
+EXPERTS_KERNELS = ("grouped_mm", "eager", FUSED_EXPERTS)
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16")
 # the rollout copy may also run e4m3-fake-quantised GEMMs in fp32 (moe_lab/models/numerics.py); training may not

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from moe_lab import constants as C
 from moe_lab.config import ModelConfig
+from moe_lab.models.experts import fused_experts_forward  # registers experts_impl 'fused' with transformers
 from moe_lab.models.families import (FAMILIES, REFUSED, FamilySpec, family_of_model_type, family_of_router, get_family,
                                      hf_kwargs)
 
@@ -177,5 +178,5 @@ def position_ids_from_mask(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return position_ids_BS.masked_fill(attention_mask_BS == 0, 0)
 
 
-__all__ = ["MoeLayer", "build_model", "checkpoint_dtype", "checkpoint_family", "correction_biases",
+__all__ = ["MoeLayer", "build_model", "fused_experts_forward", "checkpoint_dtype", "checkpoint_family", "correction_biases",
            "load_model", "moe_layers", "position_ids_from_mask", "resolve_device"]
