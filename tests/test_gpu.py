@@ -1,6 +1,7 @@
 """The CUDA path (``pytest -m gpu``, run by scripts/gpu_check.sh); every test skips where CUDA is absent.
 
-Run on one NVIDIA H200 (11 passed; results/reference/gpu/check.txt; the fused experts tests: 3 passed on 2026-12-04); docs/guide.md "Scaling out" says what was verified where.
+Run on one NVIDIA H200: 18 passed on 2026-12-04 (scripts/gpu_check.sh), then the 3 fused-experts tests passed there too;
+docs/guide.md "Scaling out" says what was verified where.
 """
 
 from __future__ import annotations
