@@ -340,9 +340,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     batch = rl.prompts_per_step * rl.group_size
     if batch % rl.minibatches:
         raise ConfigError(f"rl.minibatches={rl.minibatches}: must divide prompts_per_step*group_size={batch}")
-    if rl.replay == "old" and rl.old_logp == "rollout":
-        raise ConfigError("rl.replay='old' needs rl.old_logp='old_forward' (R2 replays the old-policy forward's "
-                          "routing); use rl.replay='rollout' with rl.old_logp='rollout'")
     config_checks.check_replay_options(rl)
     config_checks.check_expert_bias(cfg)
     low, high = resolved_clip(rl)

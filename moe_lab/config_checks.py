@@ -5,6 +5,7 @@ here imports torch."""
 from __future__ import annotations
 
 from moe_lab import constants as C
+from moe_lab.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS, names_where
 from moe_lab.errors import ConfigError
 
 
@@ -23,13 +24,18 @@ def check_mixture(task) -> None:
 
 
 def check_replay_options(rl) -> None:
-    if rl.replay == "none" and (rl.replay_gate > 0 or rl.replay_gate_weights):
-        raise ConfigError("rl.replay_gate/replay_gate_weights apply to replayed routing; set rl.replay=old or rollout, "
-                          "or leave them at 0/false")
+    """What each rl.replay mode's traits (moe_lab/mode_specs.py) allow of the other replay options."""
+    spec = REPLAY_SPECS[rl.replay]
+    if spec.forces == OLD_FORWARD and rl.old_logp == "rollout":
+        raise ConfigError(f"rl.replay='{rl.replay}' needs rl.old_logp='old_forward' (R2 replays the old-policy "
+                          "forward's routing); use rl.replay='rollout' with rl.old_logp='rollout'")
+    if not spec.replays and (rl.replay_gate > 0 or rl.replay_gate_weights):
+        raise ConfigError("rl.replay_gate/replay_gate_weights apply to replayed routing; set rl.replay="
+                          f"{names_where(REPLAY_SPECS, lambda s: s.replays)}, or leave them at 0/false")
     if rl.replay_gate > 0 and rl.replay_gate_weights:
         raise ConfigError(f"rl.replay_gate={rl.replay_gate} with rl.replay_gate_weights=true: a replaced expert has no "
                           "recorded weight; use one or the other")
-    if rl.replay == "predictive" and rl.rollout_lag:
+    if spec.predictor and rl.rollout_lag:
         raise ConfigError(f"rl.replay=predictive with rl.rollout_lag={rl.rollout_lag}: the sampler routes by the "
                           "predictor heads of the current step (a lagged copy keeps no old heads); allowed: 0")
     if rl.freeze_router and rl.router_lr_mult != 1.0:
@@ -38,19 +44,20 @@ def check_replay_options(rl) -> None:
 
 
 def check_rollout_correction(rl) -> None:
-    mode = rl.rollout_correction
-    if mode == "none":
+    mode, spec = rl.rollout_correction, ROLLOUT_CORRECTION_SPECS[rl.rollout_correction]
+    if not spec.active:
         if rl.rollout_correction_upper is not None or rl.rollout_correction_lower is not None:
-            raise ConfigError("rl.rollout_correction_upper/lower are set but rl.rollout_correction=none; "
-                              "choose a mode (tis_token, tis_seq, mis_token, mis_seq, icepop) or leave them None")
+            raise ConfigError(f"rl.rollout_correction_upper/lower are set but rl.rollout_correction={mode}; choose a "
+                              f"mode ({names_where(ROLLOUT_CORRECTION_SPECS, lambda s: s.active)}) or leave them None")
         return
     if rl.old_logp == "rollout":
         raise ConfigError(f"rl.rollout_correction={mode} needs rl.old_logp='old_forward' (with the rollout's own "
                           "log-probs as logp_old there is no training-inference gap to correct)")
-    if mode.startswith("tis") and rl.rollout_correction_lower is not None:
-        raise ConfigError(f"rl.rollout_correction_lower={rl.rollout_correction_lower}: applies to mis_token, mis_seq "
-                          f"and icepop only, not {mode}; leave it None")
-    default_low, default_up = C.ROLLOUT_CORRECTION_BOUNDS[mode]
+    if not spec.takes_lower and rl.rollout_correction_lower is not None:
+        raise ConfigError(f"rl.rollout_correction_lower={rl.rollout_correction_lower}: applies to "
+                          f"{names_where(ROLLOUT_CORRECTION_SPECS, lambda s: s.takes_lower)} only, not {mode}; "
+                          "leave it None")
+    default_low, default_up = spec.bounds
     low = default_low if rl.rollout_correction_lower is None else rl.rollout_correction_lower
     up = default_up if rl.rollout_correction_upper is None else rl.rollout_correction_upper
     if low is not None and not low < up:

@@ -3,11 +3,13 @@
 A registry (``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries; ``tests/test_constants.py``
 checks that its keys equal the names here, so adding an entry means adding its name here too (and the config
 then accepts it). The objectives' names and traits are derived from their rows in moe_lab/objective_specs.py
-(``objectives.OBJECTIVES`` registers one function per row).
+(``objectives.OBJECTIVES`` registers one function per row); the replay and rollout-correction modes from theirs
+in moe_lab/mode_specs.py.
 """
 
 from __future__ import annotations
 
+from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
 from moe_lab.objective_specs import OBJECTIVE_SPECS
 
 # Policy objectives: derived from their one declaration, the rows of moe_lab/objective_specs.py (traits
@@ -24,15 +26,14 @@ LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mea
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 WHITEN_MODES = ("group", "batch")
-REPLAY_MODES = ("none", "old", "rollout", "predictive")
+REPLAY_MODES = tuple(REPLAY_SPECS)  # rows and traits: moe_lab/mode_specs.py
 OLD_LOGP_SOURCES = ("old_forward", "rollout")
 ROLLOUT_SEEDINGS = ("per_group", "sequential")
 
-# Rollout correction (moe_lab/algos/rollout_correction.py): (lower, upper) when the config leaves them None.
-# TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5.
-ROLLOUT_CORRECTION_BOUNDS = {"none": (None, None), "tis_token": (None, 2.0), "tis_seq": (None, 2.0),
-                             "mis_token": (None, 2.0), "mis_seq": (None, 2.0), "icepop": (0.5, 5.0)}
-ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_BOUNDS)
+# Rollout correction (moe_lab/algos/rollout_correction.py): the modes, and (lower, upper) when the config leaves them
+# None; rows, traits and the bounds' sources: moe_lab/mode_specs.py.
+ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_SPECS)
+ROLLOUT_CORRECTION_BOUNDS = {name: spec.bounds for name, spec in ROLLOUT_CORRECTION_SPECS.items()}
 # check-trace's outlier threshold of NeMo-RL's seq_mult_prob_error: NeMo-RL's grpo.seq_logprob_error_threshold has no
 # default (None: metrics only); 1.5 is the example its config's comment gives
 SEQ_ERROR_THRESHOLD = 1.5

@@ -26,13 +26,14 @@ import math
 import torch
 
 from moe_lab import constants as C
+from moe_lab import mode_specs as M
 from moe_lab.algos import reductions as R
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["MODES", "DEFAULT_BOUNDS", "METRIC_KEYS", "resolved_bounds", "rollout_correction"]
 
-# (lower, upper) when the caller passes None (kept in the torch-free moe_lab/constants.py): TIS/MIS: verl's
-# rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5.
+# (lower, upper) when the caller passes None, and each mode's level and action: the rows of the torch-free
+# moe_lab/mode_specs.py (TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5).
 DEFAULT_BOUNDS = C.ROLLOUT_CORRECTION_BOUNDS
 MODES = C.ROLLOUT_CORRECTION_MODES
 METRIC_KEYS = ("rollout_corr/weight_mean", "rollout_corr/weight_max", "rollout_corr/truncated_frac",
@@ -46,14 +47,16 @@ def resolved_bounds(mode: str, upper: float | None = None, lower: float | None =
     """(lower, upper) in force: the caller's, else the mode's default; checked, one line per error."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    default_lower, default_upper = DEFAULT_BOUNDS[mode]
+    spec = M.ROLLOUT_CORRECTION_SPECS[mode]
+    default_lower, default_upper = spec.bounds
     for name, value in (("upper", upper), ("lower", lower)):
         if value is not None and not (isinstance(value, (int, float)) and 0.0 < value < math.inf):
             raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
-    if mode == "none":
+    if not spec.active:
         return None, None
-    if lower is not None and mode.startswith("tis"):
-        raise ValueError(f"lower applies to mis_token, mis_seq and icepop only, not mode={mode!r}: pass None")
+    if lower is not None and not spec.takes_lower:
+        raise ValueError(f"lower applies to {M.names_where(M.ROLLOUT_CORRECTION_SPECS, lambda s: s.takes_lower)} "
+                         f"only, not mode={mode!r}: pass None")
     lower = default_lower if lower is None else lower
     upper = default_upper if upper is None else upper
     if lower is not None and not lower < upper:
@@ -88,23 +91,24 @@ def rollout_correction(
     effective sample size ESS = (sum w)^2 / (n sum w^2) (1 for equal weights, 1/n for one weight).
     """
     lower, upper = resolved_bounds(mode, upper, lower)
+    spec = M.ROLLOUT_CORRECTION_SPECS[mode]
     _check(logp_old_BT, logp_rollout_BT, mask_BT)
     dtype = torch.promote_types(torch.promote_types(logp_old_BT.dtype, logp_rollout_BT.dtype), torch.float32)
     keep_BT = mask_BT.bool()
     zero = torch.zeros((), dtype=dtype, device=logp_old_BT.device)
     # where BEFORE subtracting: garbage at masked positions never enters a sum.
     log_r_BT = torch.where(keep_BT, logp_old_BT.to(dtype), zero) - torch.where(keep_BT, logp_rollout_BT.to(dtype), zero)
-    if mode.endswith("_seq"):
+    if spec.level == M.SEQUENCE:
         log_r_BT = log_r_BT.sum(dim=-1, keepdim=True).expand_as(log_r_BT)
     ratio_BT = torch.exp(log_r_BT.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     truncated_BT = torch.zeros_like(keep_BT)
     dropped_BT = torch.zeros_like(keep_BT)
-    if mode == "none":
+    if not spec.active:
         weights_BT = torch.ones_like(ratio_BT)
-    elif mode.startswith("tis"):
+    elif spec.action == M.TRUNCATE:
         truncated_BT = log_r_BT > math.log(upper)
         weights_BT = ratio_BT.clamp(max=upper)
-    else:  # mis_*, icepop: reject instead of truncating
+    else:  # M.MASK (mis_*, icepop): reject instead of truncating
         dropped_BT = log_r_BT > math.log(upper)
         if lower is not None:
             dropped_BT = dropped_BT | (log_r_BT < math.log(lower))

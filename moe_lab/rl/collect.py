@@ -20,6 +20,7 @@ from moe_lab.algos.losses import kl_penalty
 from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import RunConfig
+from moe_lab.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT, ROLLOUT_CORRECTION_SPECS
 from moe_lab.rl import seeds
 from moe_lab.rl.groups import group_generators, join_batches
 from moe_lab.rl.rollout import GroupSampler, RolloutBatch, forward_logits, generate, token_logprobs
@@ -55,12 +56,13 @@ class StepData:
 def replay_traces(mode: str, rollout_trace: Trace | None, old_trace: Trace | None) -> tuple[Trace | None, Trace | None]:
     """Routing Replay, decided here only: ``(forced, reference)`` of rl.replay = ``mode``.
 
-    forced: the routing the trainer's forwards follow (none: free; old = R2: the old-policy forward's;
-    rollout = R3 and predictive: the sampler's, predicted or not). reference: the routing that produced logp_old, which routing/* compare
-    against. Before the old-policy forward (``old_trace=None``) it gives that forward's own forcing: R3
-    already follows the rollout there, R2's trace is what the forward records.
+    forced: the routing the trainer's forwards follow, the mode's ``forces`` trait (moe_lab/mode_specs.py; none:
+    free; old = R2: the old-policy forward's; rollout = R3 and predictive: the sampler's, predicted or not).
+    reference: the routing that produced logp_old, which routing/* compare against. Before the old-policy
+    forward (``old_trace=None``) it gives that forward's own forcing: R3 already follows the rollout there, R2's
+    trace is what the forward records.
     """
-    forced = {"none": None, "old": old_trace, "rollout": rollout_trace, "predictive": rollout_trace}[mode]
+    forced = {None: None, OLD_FORWARD: old_trace, ROLLOUT: rollout_trace}[REPLAY_SPECS[mode].forces]
     return forced, old_trace
 
 
@@ -125,7 +127,7 @@ def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int
         return generate(rollout_policy, task.tokenizer, [p for p in chunk for _ in range(rl.group_size)],
                         max_new_tokens=task.max_new_tokens, temperature=rl.temperature, record_routing=True,
                         router_noise=rl.rollout_router_noise, noise_generator=noise_gen,
-                        predictive=rl.replay == "predictive", sampler=sampler)
+                        predictive=REPLAY_SPECS[rl.replay].predictor, sampler=sampler)
 
     group_prompts = [p for p in prompts for _ in range(rl.group_size)]
     if rl.rollout_seeding == "sequential":
@@ -159,7 +161,7 @@ def _correction(batch: RolloutBatch, logp_old_BT: torch.Tensor, cfg: RunConfig) 
     """Stage 4: rollout-correction weights pi_train/pi_rollout and their metrics; (None, {}) when off.
     The config refuses a correction with old_logp=rollout (no gap to correct)."""
     rl = cfg.rl
-    if rl.rollout_correction == "none":
+    if not ROLLOUT_CORRECTION_SPECS[rl.rollout_correction].active:
         return None, {}
     is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
                                              mode=rl.rollout_correction, upper=rl.rollout_correction_upper,

@@ -23,6 +23,7 @@ import math
 
 from moe_lab.algos import reductions as R
 from moe_lab.config import ConfigError, RunConfig
+from moe_lab.mode_specs import REPLAY_SPECS, names_where
 
 
 def check_data_parallel(cfg: RunConfig, world: int) -> None:
@@ -44,9 +45,10 @@ def check_data_parallel(cfg: RunConfig, world: int) -> None:
     if rl.rollout_seeding != "per_group":
         raise ConfigError(f"rl.rollout_seeding={rl.rollout_seeding} is a plain run's legacy sampling (one generator "
                           "for the whole batch) and cannot split over ranks; allowed: per_group")
-    if rl.replay == "predictive":
-        raise ConfigError("rl.replay=predictive is not supported data-parallel (the predictor heads are refitted by "
-                          "the single-process step only); allowed: none, old, rollout")
+    if not REPLAY_SPECS[rl.replay].data_parallel:
+        why = REPLAY_SPECS[rl.replay].single_process
+        raise ConfigError(f"rl.replay={rl.replay} is not supported data-parallel ({why}); allowed: "
+                          f"{names_where(REPLAY_SPECS, lambda s: s.data_parallel)}")
 
 
 def rank_groups(n_prompts: int, rank: int, world: int) -> range:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
+from moe_lab.mode_specs import REPLAY_SPECS
 from moe_lab.models import correction_biases, load_model, resolve_device
 from moe_lab.models.numerics import RolloutNumerics
 from moe_lab.rl import checkpoint, health, seeds
@@ -152,7 +153,7 @@ def _setup(cfg: RunConfig, progress: bool):
     policy.train(False)  # no dropout: the old and new forwards must be comparable
     if cfg.rl.bias_update_rate:  # a checkpoint's family is known only now: refused before the first step
         ExpertBias(policy, cfg.rl.bias_update_rate, cfg.rl.bias_count_dtype)
-    if cfg.rl.replay == "predictive":
+    if REPLAY_SPECS[cfg.rl.replay].predictor:
         predictor.install(policy)  # before any copy and before a resume loads the saved heads
     ref_model = None
     if cfg.rl.kl_coef > 0:

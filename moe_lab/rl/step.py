@@ -3,7 +3,8 @@ policy) → minibatch updates.
 
 The algorithm (``rl.algo``) is only an argument of ``policy_loss``; Routing Replay (``rl.replay``) only
 chooses which trace, if any, the update forwards are forced to follow (``collect.replay_traces``, the one
-place that reads the mode). Nothing else branches. ``rl_step`` runs one step over a batch split:
+place that reads which trace), and a mode whose row says ``predictor`` (moe_lab/mode_specs.py) refits the
+predictor heads after the updates. Nothing else branches. ``rl_step`` runs one step over a batch split:
 ``SingleProcess`` for a plain run, ``moe_lab.rl.distributed.DataParallel`` under torchrun.
 """
 
@@ -21,6 +22,7 @@ from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
+from moe_lab.mode_specs import REPLAY_SPECS
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
 from moe_lab.rl.expert_bias import ExpertBias
@@ -280,7 +282,8 @@ def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, 
     split = split or SingleProcess()
     t0 = time.perf_counter()
     data, batch_metrics, tokens = split.collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
-    observed = _pr2_observe(policy, data, cfg) if cfg.rl.replay == "predictive" else None  # refused under torchrun
+    predicted = REPLAY_SPECS[cfg.rl.replay].predictor  # refused under torchrun (dp_split)
+    observed = _pr2_observe(policy, data, cfg) if predicted else None
     trained, updates = split.trained(policy), []
     for epoch, m, u, idx_B in split.schedule(data, cfg, step, first_update):
         metrics = split.checked(update(trained, ref_model, optimizer, data, idx_B, cfg, step, u), step, u, first_update)

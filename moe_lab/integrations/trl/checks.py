@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+from moe_lab.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT
 from moe_lab.models import moe_layers
 from moe_lab.models.families import FAMILIES, family_of_model_type
 
@@ -79,12 +80,12 @@ def check_reference(model, args, peft_config) -> None:
 
 
 def check_setup(trainer) -> None:
-    args, mode = trainer.args, trainer.args.routing_replay
-    if mode == "rollout" and (trainer.rollout_func is not None or trainer.use_transformers_continuous_batching
+    args, forces = trainer.args, REPLAY_SPECS[trainer.args.routing_replay].forces
+    if forces == ROLLOUT and (trainer.rollout_func is not None or trainer.use_transformers_continuous_batching
                               or trainer.tools):
         raise ValueError("routing_replay='rollout' needs TRL's single-turn generate path (no rollout_func, no tools, "
                          "no continuous batching); allowed there: routing_replay='none' or 'old'")
-    if mode == "old" and trainer._moe_on_policy():
+    if forces == OLD_FORWARD and trainer._moe_on_policy():
         every = args.steps_per_generation * trainer.num_iterations
         warnings.warn("routing_replay='old' (R2) cannot act: this run is on-policy (gradient_accumulation_steps "
                       f"{args.gradient_accumulation_steps} is a multiple of steps_per_generation * num_iterations = "

@@ -5,12 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_lab.integrations.trl.version import require_trl
+from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT
 
 require_trl()
 
 from trl import GRPOConfig  # noqa: E402
 
-REPLAY_MODES = ("none", "old", "rollout")
+# the rl.replay modes TRL's loop offers (their rows and traits: moe_lab/mode_specs.py)
+REPLAY_MODES = tuple(name for name, spec in REPLAY_SPECS.items() if spec.trl)
+
+
+def replays_rollout(args) -> bool:
+    """routing_replay forces the routing recorded while generating (R3): the trait of its row, not its name."""
+    return REPLAY_SPECS[args.routing_replay].forces == ROLLOUT
 
 
 @dataclass
@@ -59,6 +66,7 @@ class MoEGRPOConfig(GRPOConfig):
         every = self.moe_decomp_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"moe_decomp_every={every!r}: allowed an integer >= 0 (0 = never)")
-        if self.routing_replay_weights and self.routing_replay == "none":
-            raise ValueError("routing_replay_weights=True replays recorded weights, so it needs routing_replay "
-                             "'old' or 'rollout'; allowed with routing_replay='none': False")
+        if self.routing_replay_weights and not REPLAY_SPECS[self.routing_replay].replays:
+            replayed = " or ".join(repr(m) for m in REPLAY_MODES if REPLAY_SPECS[m].replays)
+            raise ValueError(f"routing_replay_weights=True replays recorded weights, so it needs routing_replay "
+                             f"{replayed}; allowed with routing_replay={self.routing_replay!r}: False")

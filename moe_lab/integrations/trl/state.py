@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lab.integrations.batch_routing import RoutingRun, fit_columns, fit_width, place_rows, to_batch, to_trace
+from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT
 from moe_lab.routing import Trace
 
 Tensor = torch.Tensor
@@ -93,7 +94,7 @@ def old_reference(inputs: dict, mode: str, like: dict) -> Trace | None:
     generating router's own), otherwise the old pass's own (None when TRL ran no old pass: on-policy, the loss
     forward IS the old policy). Carries the recorded combine weights when they were kept."""
     logp = inputs.get("moe_old_router_logp")
-    if mode == "rollout":
+    if REPLAY_SPECS[mode].forces == ROLLOUT:
         logp = inputs.get("moe_rollout_router_logp") if logp is None else logp
         return to_trace(inputs["moe_rollout_ids"], like, logp, inputs.get("moe_rollout_weights"))
     if "moe_old_ids" not in inputs:

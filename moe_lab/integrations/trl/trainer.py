@@ -24,7 +24,7 @@ from contextlib import ExitStack
 import torch
 
 # first: config checks TRL's version (one-line ImportError) before anything below imports trl
-from moe_lab.integrations.trl.config import MoEGRPOConfig  # isort: skip
+from moe_lab.integrations.trl.config import MoEGRPOConfig, replays_rollout  # isort: skip
 import trl.generation.vllm_generation as trl_vllm
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -39,6 +39,7 @@ from moe_lab.integrations.trl.resume import load_full_checkpoint
 from moe_lab.integrations.trl.vllm import (EngineOutputs, check_rollout_with_vllm, engine_rollout, routed_llm,
                                           wants_routes)
 from moe_lab.integrations.trl.state import LossScope, MoEState, Rollout, join_chunks, old_reference
+from moe_lab.mode_specs import REPLAY_SPECS
 from moe_lab.models import moe_layers
 from moe_lab.routing import record, router_logp_probe
 
@@ -103,7 +104,7 @@ class MoEGRPOTrainer(GRPOTrainer):
     def _moe_records_rollout(self) -> bool:
         # with tools TRL generates again after each tool call: one trace would not cover the final sequences
         return (self.model.training and not self.use_transformers_continuous_batching and not self.tools
-                and (self.args.routing_replay == "rollout" or self.args.moe_metrics))
+                and (replays_rollout(self.args) or self.args.moe_metrics))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """transformers' resume, except that a full-model checkpoint is read through ``from_pretrained``'s
@@ -123,7 +124,7 @@ class MoEGRPOTrainer(GRPOTrainer):
             out = super()._generate_single_turn(*call)
             self._moe.rollout = engine_rollout(self._moe_engine.outputs, self._moe_net.config,
                                                     self._moe_layer_idx, self._moe_like["E"],
-                                                    strict=self.args.routing_replay == "rollout")
+                                                    strict=replays_rollout(self.args))
             return out
         metrics, net = self.args.moe_metrics, self._moe_net
         logp = RolloutLogp(self.temperature) if metrics else None
@@ -181,7 +182,7 @@ class MoEGRPOTrainer(GRPOTrainer):
         if extra:
             raise ValueError(f"MoEGRPOTrainer: text models only; this batch carries {extra}")
         weights, forced_batch = self.args.routing_replay_weights, None
-        if self.args.routing_replay == "rollout":
+        if replays_rollout(self.args):
             S = input_ids.size(1)
             forced_batch = self._moe.rollout.batch(S - logits_to_keep, logits_to_keep, weights)
         step, parts = batch_size or input_ids.size(0), []
@@ -225,7 +226,7 @@ class MoEGRPOTrainer(GRPOTrainer):
         """Replay (or record) around the loss forward; the ExitStack closes after training_step's backward."""
         mode, metrics = self.args.routing_replay, self.args.moe_metrics
         ref = old_reference(inputs, mode, self._moe_like)
-        forced = ref if mode != "none" else None
+        forced = ref if REPLAY_SPECS[mode].replays else None
         weights = self.args.routing_replay_weights and forced is not None
         run = stack.enter_context(routing_run(self._moe_net, forced, router_logp=metrics, weights=weights))
         probe = None

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from moe_lab.integrations.trl.config import replays_rollout
 from moe_lab.integrations.trl.state import Rollout
 from moe_lab.routing.trace import index_dtype
 
@@ -36,7 +37,7 @@ def vllm_version() -> str | None:
 def check_rollout_with_vllm(args) -> None:
     """routing_replay='rollout' with use_vllm=True: refused in one line unless TRL's colocated engine can
     return routed experts that cover every sequence of this rank."""
-    if not (args.use_vllm and args.routing_replay == "rollout"):
+    if not (args.use_vllm and replays_rollout(args)):
         return
     found = vllm_version()
     from packaging.version import Version
@@ -158,4 +159,4 @@ def wants_routes(args) -> bool:
         return False
     from packaging.version import Version
 
-    return (args.routing_replay == "rollout" or args.moe_metrics) and Version(found) >= Version("%d.%d" % VLLM_MIN)
+    return (replays_rollout(args) or args.moe_metrics) and Version(found) >= Version("%d.%d" % VLLM_MIN)
