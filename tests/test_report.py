@@ -119,3 +119,24 @@ def test_a_malformed_describe_block_is_one_line():
     with pytest.raises(ConfigError, match="describe.metrics"):
         describe_spec({"describe": {"metrics": [], "windows": {"w": [0, 1]}}})
     assert describe_spec({}) is None
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from moe_lab.cli import main
+
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "RESULTS=" in err and "no such folder" in err
+    assert not (tmp_path / "missing").exists()  # nothing written before the input was checked
+
+
+def test_the_detectable_difference_is_where_a_t_test_has_80_percent_power():
+    from moe_lab.analysis.stats import detectable_difference
+
+    se, df = 0.006, 5.0
+    delta = detectable_difference(se, df)
+    crit = stats.t.ppf(0.975, df)
+    # the approximation's power: P(T > crit) for T ~ t_df shifted by delta/se (the skew of the non-central t ignored)
+    assert stats.t.sf(crit - delta / se, df) == pytest.approx(0.8, abs=1e-12)
+    exact = stats.nct.sf(crit, df, delta / se)  # the non-central t's power at that difference: close, not equal
+    assert 0.75 < exact < 0.85

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from moe_lab.analysis import report_design, report_plots, report_tables
 from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import endpoints_head, format_arms, format_pairs, load_comparison
+from moe_lab.analysis.stats import detectable_difference
 from moe_lab.config import ConfigError
 from moe_lab.launch.design import contrasts_spec, describe_spec, verdict_of
 from moe_lab.rl.run_folder import ResultsFolder
@@ -62,6 +63,7 @@ def _contrast_sections(spec, per_run: pd.DataFrame, exp: dict | None, pairs: pd.
     for column, table in tables.items():
         if len(table):
             lines += [f"## Declared contrasts, {column} endpoint", "", format_declared(table, column), ""]
+    lines += _resolution(tables["primary"])
     margins = any(c.margin is not None for c in contrasts)
     lines.append("Equivalence: " + ("TOST at the declared margins (the table's equivalence column)." if margins else
                                     "no equivalence margin was declared before the runs, so no equivalence test ran: "
@@ -77,6 +79,20 @@ def _notes(folder: ResultsFolder, per_run: pd.DataFrame) -> list[str]:
     notes = [f"Interim: {len(unfinished)} run(s) not finished, left out: {', '.join(unfinished)}."] if unfinished else []
     notes += [line.removeprefix("moe-lab: note: ") for line in mixed_notes(folder.runs_dir)]
     return [*(f"> {n}" for n in notes), ""] if notes else []
+
+
+def _resolution(table: pd.DataFrame) -> list[str]:
+    """What the design could resolve: per primary contrast, the difference it would detect with 80% power."""
+    rows = table[table["role"] == "primary"]
+    if not len(rows):
+        return []
+    lines = ["Resolution of the design (primary contrasts, primary endpoint): the true difference a two-sided 5% test "
+             "over these cold starts would detect with 80% power, (t_0.975 + t_0.80) × the standard error the runs "
+             "gave, df as above.", "", "| setting | contrast | standard error over cold starts | detectable with "
+             "80% power |", "|---|---|---|---|"]
+    lines += [f"| {r.setting} | {r.arm} − {r.vs} | {r.se:.3f} | ±{detectable_difference(r.se, r.df):.3f} |"
+              for r in rows.itertuples()]
+    return [*lines, ""]
 
 
 def _figures(metrics, evals, spec, tables, describe) -> dict[str, Figure]:
