@@ -51,13 +51,14 @@ def check_verdict(verdict: str, tables: str, where: str) -> None:
                               "quote the tables as printed")
 
 
-def _contrast_sections(spec, per_run: pd.DataFrame, exp: dict | None, pairs: pd.DataFrame) -> tuple[list[str], dict]:
+def _contrast_sections(per_run: pd.DataFrame, exp: dict | None, pairs: pd.DataFrame) -> tuple[list[str], dict]:
     contrasts = contrasts_spec(exp)
     if not contrasts:
         return ["## Every pair of arms (no contrasts declared)", "",
-                "The experiment file declared no contrasts before its runs, so nothing here is a test of a "
-                "hypothesis fixed in advance: every pair of arms at the run level (Welch 95% interval, permutation "
-                "p), exploratory, without correction for the number of pairs.", "", *format_pairs(pairs)], {}
+                "The experiment file declares no contrasts, so this page tests no hypothesis the file fixed: every "
+                "pair of arms at the run level (Welch 95% interval, permutation p), without correction for the "
+                "number of pairs; read it as exploratory unless an analysis fixed before the runs elsewhere says "
+                "otherwise (a LOG.md beside this page, where there is one).", "", *format_pairs(pairs)], {}
     tables = {column: declared_contrasts(per_run, contrasts, column) for column in ("primary", "secondary")}
     lines = []
     for column, table in tables.items():
@@ -83,7 +84,7 @@ def _notes(folder: ResultsFolder, per_run: pd.DataFrame) -> list[str]:
 
 def _resolution(table: pd.DataFrame) -> list[str]:
     """What the design could resolve: per primary contrast, the difference it would detect with 80% power."""
-    rows = table[table["role"] == "primary"]
+    rows = table[table["role"] == "primary"] if len(table) else table
     if not len(rows):
         return []
     lines = ["Resolution of the design (primary contrasts, primary endpoint): the true difference a two-sided 5% test "
@@ -124,7 +125,7 @@ def build(results: str | Path | ResultsFolder, figures: bool = True, shown_as: s
     spec, per_run, arms, pairs = load_comparison(folder)
     describe, verdict = describe_spec(exp), verdict_of(exp)
     metrics, evals = load_runs(folder.path)
-    contrast_lines, tables = _contrast_sections(spec, per_run, exp, pairs)
+    contrast_lines, tables = _contrast_sections(per_run, exp, pairs)
     body = [*report_design.design(folder, exp, n_runs, where), "",
             *report_design.provenance(folder, exp), "",
             "## Endpoints per arm", "", endpoints_head(spec), "", *format_arms(arms), "", *contrast_lines, "",
