@@ -24,6 +24,7 @@ COMMANDS = (
     "moe_lab.commands.plot",
     "moe_lab.commands.verify",
     "moe_lab.commands.compare",
+    "moe_lab.commands.report",
     "moe_lab.commands.forest",
     "moe_lab.audit.check_trace",
     "moe_lab.audit.volatility",

@@ -285,9 +285,94 @@ CONFIRMATION = {
     ],
 }
 
+
+EXPLORE_SETUP = '''\
+from IPython.display import Markdown, display
+
+from moe_lab.analysis import endpoint_plots, report_plots, report_tables
+from moe_lab.analysis.contrasts import declared_contrasts, format_declared
+from moe_lab.analysis.endpoints import load_comparison
+from moe_lab.launch.design import contrasts_spec, describe_spec
+from moe_lab.rl.run_folder import ResultsFolder
+
+# The two newest experiments; any other results folder opens the same way (set FOLDERS by hand).
+NEWEST = ("rollout_mismatch", "expert_bias")
+FOLDERS = [REFERENCE / n for n in NEWEST if (REFERENCE / n / "runs").is_dir()] or [REFERENCE / "paper"]
+FOLDER = FOLDERS[0]
+
+
+def open_folder(folder):
+    """(experiment, endpoint spec, per-run endpoints, metrics, evals) of a results folder."""
+    spec, per_run, _, _ = load_comparison(folder)
+    metrics, evals = results.load_runs(folder)
+    return ResultsFolder(folder).experiment() or {}, spec, per_run, metrics, evals
+
+
+exp, spec, per_run, metrics, evals = open_folder(FOLDER)
+print(FOLDER.name, "-", per_run["run_id"].nunique(), "finished runs;", "arms:", ", ".join(per_run["arm_base"].unique()))'''
+
+EXPLORE_CONTRASTS = '''\
+def contrasts_of(exp, per_run):
+    """The declared contrasts on both endpoints ({} when the file declares none)."""
+    declared = contrasts_spec(exp)
+    return {c: declared_contrasts(per_run, declared, c) for c in ("primary", "secondary")} if declared else {}
+
+
+tables = contrasts_of(exp, per_run)
+for column, table in tables.items():
+    display(Markdown(format_declared(table, column)))
+if tables:
+    display(report_plots.contrast_dots(tables))
+else:
+    print(FOLDER.name, "declares no contrasts: `moe-lab compare` prints every pair at the run level")'''
+
+EXPLORE_DESCRIBE = '''\
+described = describe_spec(exp)
+if described:
+    display(Markdown("\\n".join(report_tables.describe_tables(metrics, per_run, described))))
+    display(report_plots.describe_curves(metrics, described))
+else:
+    print(FOLDER.name, "declares no `describe:` metrics")'''
+
+EXPLORE_OTHERS = '''\
+for folder in FOLDERS[1:]:
+    exp, spec, per_run, metrics, evals = open_folder(folder)
+    display(Markdown(f"### {folder.name}"))
+    display(endpoint_plots.learning_curves(metrics, evals, spec))
+    tables = contrasts_of(exp, per_run)
+    if tables:
+        display(report_plots.contrast_dots(tables))
+    if describe_spec(exp):
+        display(report_plots.describe_curves(metrics, describe_spec(exp)))'''
+
+EXPLORER = {
+    "title": "# Experiment explorer\n\n"
+             "Opens a results folder (by default the two newest experiments, `rollout_mismatch` and `expert_bias`): "
+             "learning curves per arm, the contrasts its experiment file declared, per cold start, on both "
+             "endpoints, and the routing and mismatch metrics it declares (`describe:`). The same tables and "
+             "figures as `moe-lab report` (each folder's REPORT.md), for looking further.",
+    "cells": [
+        ("code", SETUP),
+        ("code", EXPLORE_SETUP),
+        ("md", "## Learning curves\nGreedy accuracy at each scheduled evaluation (top) and sampled reward per step "
+               "(bottom): mean over runs with a 95% t band; shaded, the endpoints' windows."),
+        ("code", "endpoint_plots.learning_curves(metrics, evals, spec)"),
+        ("md", "## Declared contrasts, per cold start\nEach contrast with the cold start as the unit (95% over "
+               "cold starts), the interval conditional on these cold starts labelled so, on the primary and the "
+               "secondary endpoint; the figure shows each cold start's difference (dots) and the interval (bar)."),
+        ("code", EXPLORE_CONTRASTS),
+        ("md", "## Routing and mismatch metrics the experiment file declares\nDescriptive only: per-run means over "
+               "each declared window, per cell and per cold start."),
+        ("code", EXPLORE_DESCRIBE),
+        ("md", "## The other folders"),
+        ("code", EXPLORE_OTHERS),
+    ],
+}
+
 NOTEBOOKS = {"01_reproduce_paper_figures.ipynb": PAPER, "02_routing_volatility.ipynb": VOLATILITY,
              "03_clip_range_sweep.ipynb": CLIP, "04_stability_atlas.ipynb": STABILITY,
-             "05_replay_map.ipynb": REPLAY, "06_confirmation.ipynb": CONFIRMATION}
+             "05_replay_map.ipynb": REPLAY, "06_confirmation.ipynb": CONFIRMATION,
+             "07_experiment_explorer.ipynb": EXPLORER}
 
 
 def build(spec: dict) -> nbformat.NotebookNode:

@@ -20,21 +20,25 @@ WARM_A = {"steps": 250, "accuracy": 0.453125, "reached": True, "key": "k" * 64}
 WARM_B = {**WARM_A, "steps": 270, "accuracy": 0.3125}
 
 
-def _fake_machine(monkeypatch, machine: dict, record: dict) -> None:
+def _fake_machine(monkeypatch, machine: dict, record: dict, started: float = 1.0e9) -> None:
     monkeypatch.setattr(loop, "machine_info", lambda: machine)
     monkeypatch.setattr(loop, "recorded", lambda cfg: record)
+    monkeypatch.setattr(loop.time, "time", lambda: started)  # the segment's start, as its manifest records it
 
 
 def test_a_resume_keeps_the_cold_start_it_began_from_and_records_each_segment(monkeypatch):
     _fake_machine(monkeypatch, INTEL, WARM_A)
     first = loop.provenance({}, None, 0)
-    assert first == {"coldstart": WARM_A, "segments": [{"from_step": 0, "machine": INTEL, "coldstart": WARM_A}]}
-    _fake_machine(monkeypatch, AMD, WARM_B)  # the run goes on elsewhere, whose cache holds another model
+    assert first == {"coldstart": WARM_A,
+                     "segments": [{"from_step": 0, "started": 1.0e9, "machine": INTEL, "coldstart": WARM_A}]}
+    _fake_machine(monkeypatch, AMD, WARM_B, 2.0e9)  # the run goes on elsewhere, whose cache holds another model
     resumed = loop.provenance({**first, "machine": INTEL, "resumed_from_step": 0}, None, 130)
     assert resumed["coldstart"] == WARM_A
-    assert resumed["segments"] == first["segments"] + [{"from_step": 130, "machine": AMD, "coldstart": WARM_B}]
+    assert resumed["segments"] == first["segments"] + [
+        {"from_step": 130, "started": 2.0e9, "machine": AMD, "coldstart": WARM_B}]
     # a restart from scratch keeps nothing of the earlier attempt
-    assert loop.provenance(resumed, None, 0)["segments"] == [{"from_step": 0, "machine": AMD, "coldstart": WARM_B}]
+    assert loop.provenance(resumed, None, 0)["segments"] == [
+        {"from_step": 0, "started": 2.0e9, "machine": AMD, "coldstart": WARM_B}]
 
 
 def test_a_manifest_from_before_segments_gives_the_first_segment_what_it_recorded(monkeypatch):
@@ -44,6 +48,7 @@ def test_a_manifest_from_before_segments_gives_the_first_segment_what_it_recorde
     assert got["coldstart"] == WARM_A
     assert [s["from_step"] for s in got["segments"]] == [40, 130]
     assert got["segments"][0]["machine"] == INTEL
+    assert "started" not in got["segments"][0] and got["segments"][1]["started"] == 1.0e9  # never invented
 
 
 def _manifest(runs: Path, run_id: str, **fields) -> None:

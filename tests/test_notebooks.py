@@ -34,7 +34,7 @@ NAMES = sorted(GENERATOR.NOTEBOOKS)
 
 
 def test_every_notebook_matches_its_generator_with_outputs_cleared():
-    assert NAMES == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) and len(NAMES) == 6
+    assert NAMES == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) and len(NAMES) == 7
     for name, built in GENERATOR.build_all().items():
         on_disk = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(on_disk)

@@ -50,7 +50,8 @@ def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
 def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], column: str = "primary") -> pd.DataFrame:
     """One row per declared contrast and setting (both arms present): the difference with its cold-start-level
     95% interval, p and df (``diff, se, df, lo, hi, p``), the 90% interval and TOST p where a margin is declared,
-    the p of the declared hypothesis, Holm-adjusted over the primary rows; the interval conditional on these cold
+    the p of the declared hypothesis, Holm-adjusted over the primary rows (on the primary endpoint only: the
+    family fixed before the runs; n/a on another endpoint); the interval conditional on these cold
     starts (``cond_*``); the per-cold-start differences and the run-level Welch/permutation figures."""
     rows = []
     for setting, runs in per_run.groupby("setting", sort=False):
@@ -66,7 +67,8 @@ def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], col
     table["hypothesis_p"] = np.where(table["margin"].notna(), table["tost_p"], table["p"])
     primary = table["role"] == "primary"
     table["holm_p"] = math.nan
-    table.loc[primary, "holm_p"] = holm(table.loc[primary, "hypothesis_p"].tolist())
+    if column == "primary":  # the family Holm controls: the primary contrasts on the primary endpoint, no other
+        table.loc[primary, "holm_p"] = holm(table.loc[primary, "hypothesis_p"].tolist())
     return table
 
 
@@ -95,8 +97,9 @@ def format_declared(table: pd.DataFrame, column: str = "primary") -> str:
     """The declared-contrasts table `moe-lab compare` prints after the pairwise ones."""
     lines = [f"declared contrasts on the {column} endpoint, the cold start as the unit: difference, its 95% interval "
              "over cold starts (t on the per-cold-start differences, m - 1 df; what a new cold start would show), "
-             "TOST where a margin is declared and Holm over the primary rows on it; beside it, labelled, the 95% "
-             "interval conditional on these cold starts only (stratified Welch: run-to-run noise within them)",
+             "TOST where a margin is declared and Holm over the primary rows (primary endpoint only); beside it, "
+             "labelled, the 95% interval conditional on these cold starts only (stratified Welch: run-to-run noise "
+             "within them)",
              "", "| setting | contrast | role | n | cold starts | difference, 95% over cold starts | df | p | "
              "equivalence: margin, 90% interval, TOST p | Holm p | conditional on these cold starts: 95%, df, p | "
              "per cold start | run-level Welch 95%, permutation p | collapsed |",

@@ -168,22 +168,34 @@ def format_p(p: float) -> str:
     return f"{p:.4f}" if not p < 1e-3 else f"{p:.2g}"
 
 
-def format_comparison(spec: EndpointSpec, arms: pd.DataFrame, pairs: pd.DataFrame) -> str:
-    """The two markdown tables `moe-lab compare` prints: per arm, then per pair of arms."""
-    head = (f"primary: mean {spec.primary_metric} over the last {spec.last_evals} scheduled evaluations; "
+def endpoints_head(spec: EndpointSpec) -> str:
+    """The line that says what the endpoints are (printed above their tables)."""
+    return (f"primary: mean {spec.primary_metric} over the last {spec.last_evals} scheduled evaluations; "
             f"secondary: mean {spec.secondary_metric} over the last {spec.last_frac:.0%} of steps "
             f"(a stopped run's last value carried forward); 95% t / Welch intervals")
-    lines = [head, "", "| setting | arm | n | primary (95% t) | secondary (95% t) | collapsed |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r.setting} | {r.arm} | {r.n} | {_ci(r.primary, r.primary_lo, r.primary_hi)} | "
-              f"{_ci(r.secondary, r.secondary_lo, r.secondary_hi)} | {r.collapsed}/{r.n} |"
-              for r in arms.itertuples()]
-    lines += ["", "| setting | arm − vs | primary diff (Welch 95%) | p | secondary diff (Welch 95%) | p | collapsed |",
-              "|---|---|---|---|---|---|---|"]
+
+
+def format_arms(arms: pd.DataFrame) -> list[str]:
+    """Per arm: n, each endpoint's mean with its 95% t-interval, collapses."""
+    lines = ["| setting | arm | n | primary (95% t) | secondary (95% t) | collapsed |", "|---|---|---|---|---|---|"]
+    return lines + [f"| {r.setting} | {r.arm} | {r.n} | {_ci(r.primary, r.primary_lo, r.primary_hi)} | "
+                    f"{_ci(r.secondary, r.secondary_lo, r.secondary_hi)} | {r.collapsed}/{r.n} |"
+                    for r in arms.itertuples()]
+
+
+def format_pairs(pairs: pd.DataFrame) -> list[str]:
+    """Per pair of arms: each endpoint's difference with its Welch 95% interval and permutation p, collapses."""
+    lines = ["| setting | arm − vs | primary diff (Welch 95%) | p | secondary diff (Welch 95%) | p | collapsed |",
+             "|---|---|---|---|---|---|---|"]
     for r in pairs.itertuples():
         p1 = format_p(r.primary_p) + ("" if r.primary_p_exact else " (MC)")
         p2 = format_p(r.secondary_p) + ("" if r.secondary_p_exact else " (MC)")
         lines.append(f"| {r.setting} | {r.arm} − {r.vs} | {_ci(r.primary_diff, r.primary_lo, r.primary_hi, True)} | {p1} | "
                      f"{_ci(r.secondary_diff, r.secondary_lo, r.secondary_hi, True)} | {p2} | "
                      f"{r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} |")
-    return "\n".join(lines)
+    return lines
+
+
+def format_comparison(spec: EndpointSpec, arms: pd.DataFrame, pairs: pd.DataFrame) -> str:
+    """The two markdown tables `moe-lab compare` prints: per arm, then per pair of arms."""
+    return "\n".join([endpoints_head(spec), "", *format_arms(arms), "", *format_pairs(pairs)])

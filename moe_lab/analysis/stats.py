@@ -202,6 +202,13 @@ def t_half_width(se, df, quantile: float):
     return stats.t.ppf(quantile, df) * se
 
 
+def detectable_difference(se, df, power: float = 0.8):
+    """The smallest true difference a two-sided 5% t-test with this standard error and df detects with ``power``:
+    (t_{0.975, df} + t_{power, df}) * se, the usual approximation (it ignores the non-central t's skew). With the se
+    the runs gave, it says how fine the design resolved a difference, not how likely this result was."""
+    return (stats.t.ppf(0.975, df) + stats.t.ppf(power, df)) * se
+
+
 def tost_p(diff: float, se: float, df: float, margin: float) -> float:
     """p of H0: |difference| >= margin (the larger of the two one-sided p's)."""
     if not se > 0:

@@ -23,7 +23,7 @@ def builtin_experiment(name: str) -> dict:
     path = resources.files(BUILTIN).joinpath(f"{name}.yaml")
     if not path.is_file():
         raise ConfigError(f"experiment {name!r}: no such built-in experiment")
-    return load_yaml(str(path))
+    return _checked(path.read_text(encoding="utf-8"), load_yaml(str(path)), f"experiments/{name}.yaml")
 
 
 def read_experiment(path: str) -> dict:
@@ -40,7 +40,15 @@ def read_experiment(path: str) -> dict:
     data = load_yaml(str(p))
     if data and set(data) <= set(RunConfig.__dataclass_fields__):
         return {"name": p.stem, "base": data}
-    return data
+    return _checked(p.read_text(encoding="utf-8"), data, str(p))
+
+
+def _checked(text: str, exp: dict, where: str) -> dict:
+    """``exp`` once its file's text passes design.check_tost_named (TOST named -> a margin declared)."""
+    from moe_lab.launch.design import check_tost_named
+
+    check_tost_named(text, exp if isinstance(exp, dict) else None, where)
+    return exp
 
 
 def _csv(text: str | None, cast=str, flag: str = "") -> list | None:

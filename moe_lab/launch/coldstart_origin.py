@@ -4,7 +4,7 @@ A cold start's cache key hashes its config, not the processor: warmed on another
 another model (other supervised steps, other weights; docs/guide.md, "Results that depend on the machine"). An
 experiment resumed on another machine starts its remaining runs from that other model, and a design that blocks
 on the cold start (`blocks:`, experiments/router_learns.yaml) then mixes two models in one block without a word.
-router_learns did (docs/findings.md). These functions find it from the manifests alone and never read an
+router_learns did (results/reference/router_learns/LOG.md). These functions find it from the manifests alone and never read an
 endpoint, so `moe-lab progress` may print them before the analysis: the runner prints `warmed_here_notes` before
 its first RL run, `progress` and `compare` print `mixed_notes` beside their tables.
 """

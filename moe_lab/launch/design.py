@@ -113,3 +113,54 @@ def contrasts_spec(exp: dict | None) -> list[Contrast]:
             raise ConfigError(f"contrasts.{role}: expected a list of {{arm: A, vs: B}}, got {items!r}")
         out += [_contrast(role, item, arms) for item in items]
     return out
+
+
+def check_tost_named(text: str, exp: dict | None, where: str) -> None:
+    """An experiment file whose text names TOST must declare the margin it is tested at (``equivalence_margin``
+    on a contrast), fixed before the runs: a margin chosen after seeing the data would tune the test. One
+    ConfigError naming the file and the field."""
+    if "TOST" in text and not any(c.margin is not None for c in contrasts_spec(exp)):
+        raise ConfigError(f"{where}: names TOST but no contrast declares contrasts.<role>[].equivalence_margin; "
+                          "declare the margin before the runs, or remove the TOST naming")
+
+
+@dataclass(frozen=True)
+class Describe:
+    metrics: tuple[str, ...]
+    """metrics-table columns summarised descriptively (no test): per-run means over each window"""
+    windows: dict[str, tuple[int, int]]
+    """label -> (first, last) RL step, both included (0-based metrics steps)"""
+
+
+def describe_spec(exp: dict | None) -> Describe | None:
+    """The ``describe:`` block (descriptive routing and mismatch tables of `moe-lab report`), checked::
+
+        describe:
+          metrics: [mismatch/k3, routing/load_max_violation]
+          windows: {step 0: [0, 0], last 25%: [75, 99]}
+
+    None when the file has none. It changes no cell: the runs are the same with or without it."""
+    block = (exp or {}).get("describe")
+    if block is None:
+        return None
+    if not isinstance(block, dict) or set(block) != {"metrics", "windows"}:
+        raise ConfigError(f"describe: expected a mapping with keys metrics, windows, got {block!r}")
+    metrics, windows = block["metrics"], block["windows"]
+    if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
+        raise ConfigError(f"describe.metrics: expected a non-empty list of metric names, got {metrics!r}")
+    ok = isinstance(windows, dict) and windows and all(
+        isinstance(w, list) and len(w) == 2 and all(isinstance(s, int) and not isinstance(s, bool) for s in w)
+        and 0 <= w[0] <= w[1] for w in windows.values())
+    if not ok:
+        raise ConfigError(f"describe.windows: expected a mapping label -> [first step, last step] (0 <= first <= "
+                          f"last), got {windows!r}")
+    return Describe(tuple(metrics), {str(k): (int(v[0]), int(v[1])) for k, v in windows.items()})
+
+
+def verdict_of(exp: dict | None) -> str | None:
+    """The experiment's ``verdict:`` (a short conclusion, written after its runs, printed by `moe-lab report` under
+    "Conclusion" once every number in it is found in the report's tables); None when it has none."""
+    verdict = (exp or {}).get("verdict")
+    if verdict is not None and (not isinstance(verdict, str) or not verdict.strip()):
+        raise ConfigError(f"verdict: expected a non-empty text, got {verdict!r}")
+    return verdict.strip() if verdict else None

@@ -20,7 +20,9 @@ An arm may carry its own list of points under ``_points`` (e.g. clip ranges that
 ``gspo: {rl: {algo: gspo}, _points: [{rl.clip_low: 1e-4, rl.clip_high: 1.3e-4}, ...]}``.
 
 ``blocks`` (instead of ``seeds``) runs each value of one field, e.g. ``model.seed`` (a cold start of its own),
-with RL seeds of its own; ``contrasts`` declares the pairs of arms `moe-lab compare` tests (launch/design.py).
+with RL seeds of its own; ``contrasts`` declares the pairs of arms `moe-lab compare` tests (launch/design.py);
+``describe`` the metrics `moe-lab report` summarises descriptively and ``verdict`` its conclusion (neither
+changes a cell).
 
 Instead of a ``sweep``, ``factors`` varies one factor at a time around ``base`` (the stability atlas)::
 
@@ -41,10 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
-from moe_lab.launch.design import blocks_spec, contrasts_spec
+from moe_lab.launch.design import blocks_spec, contrasts_spec, describe_spec, verdict_of
 
 TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "blocks", "minutes_2cores",
-            "endpoints", "contrasts")
+            "endpoints", "contrasts", "describe", "verdict")
 BASE_LABEL = "base"
 
 
@@ -162,6 +164,8 @@ def check_shape(exp: Any) -> None:
     endpoint_spec(exp)  # raises on a malformed endpoints block
     blocks_spec(exp)
     contrasts_spec(exp)
+    describe_spec(exp)
+    verdict_of(exp)
     seeds = exp.get("seeds")
     if seeds is not None and not (isinstance(seeds, list) and seeds and all(map(_is_seed, seeds))):
         raise ConfigError(f"seeds: expected a non-empty list of integers >= 0 (e.g. seeds: [0, 1, 2]), got {seeds!r}")

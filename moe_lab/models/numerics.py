@@ -34,7 +34,7 @@ result by ~1e-7 relative, which a bf16 output rounding hides in all but a few el
 sequence's GEMM outputs move by up to about a bf16 ulp when its batch (M) changes, the size of the batch
 dependence an engine's bf16 outputs carry. This is the strong end of that dependence (an engine whose split-K
 reduce is fp32 moves fewer elements); even so it moved the mismatch table by less than its step-to-step spread
-(docs/findings.md, "Rollout/trainer mismatch, calibrated"). The MoE combine sums the k weighted expert
+(results/reference/rollout_mismatch/LOG.md, the calibration). The MoE combine sums the k weighted expert
 outputs starting from slot M mod k; floating-point addition commutes, so at k = 2 the combine order cannot
 change a bit: there the batch dependence comes from the split-K GEMMs alone.
 """

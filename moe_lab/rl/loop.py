@@ -242,10 +242,12 @@ def provenance(prior: dict, cfg: RunConfig, step: int) -> dict:
     docs/guide.md "Results that depend on the machine"), and a resumed run's weights come from its checkpoint, which
     descends from the cold start it began from, not from what this machine's cache now holds under that key. So
     ``coldstart`` stays the first segment's record, and each (re)start appends its step, machine and cache entry
-    to ``segments``: a run finished elsewhere says so (with ``rl.kl_coef`` > 0 its reference model after the
+    to ``segments`` with its start time: a run finished elsewhere says so (with ``rl.kl_coef`` > 0 its reference model after the
     resume is the later segment's cold start). A manifest without segments gives the
     first segment what it recorded (its last start and machine: run_folder.first_segments)."""
-    here = {"from_step": step, "machine": machine_info(), "coldstart": recorded(cfg)}
+    # started: when this segment began (UNIX time), so a run can be dated against its experiment file's commit;
+    # manifests written before it have none (their start is only inferred, updated - wall_s)
+    here = {"from_step": step, "started": time.time(), "machine": machine_info(), "coldstart": recorded(cfg)}
     if step == 0:  # a run (re)started from scratch: nothing before it survives
         return {"coldstart": here["coldstart"], "segments": [here]}
     segments = first_segments(prior)
