@@ -42,7 +42,8 @@ def main() -> None:
     task = get_task(cfg.task)
     policy = build_model(cfg.model, len(task.tokenizer)).eval()
     base_rl = dataclasses.replace(cfg.rl, rollout_kernels="batch_invariant")
-    models = {name: make_rollout_policy(policy, dataclasses.replace(base_rl, **over)) for name, over in SETTINGS.items()}
+    models = {name: make_rollout_policy(policy, dataclasses.replace(base_rl, **over))
+              for name, over in SETTINGS.items()}
     prompts = [p for p in task.sample_prompts(cfg.rl.prompts_per_step, np.random.default_rng(0))
                for _ in range(cfg.rl.group_size)]
     enc = task.tokenizer(prompts, return_tensors="pt", padding=True)

@@ -1,5 +1,5 @@
 """The CLI starts without the model stack: `moe-lab --help`, `list` and `config` import neither torch nor
-transformers' modeling code (whose fp8/deepgemm/conversion integrations alone take ~1.5 s to import) nor pandas,
+transformers' modeling code (whose fp8/deepgemm/conversion integrations alone take ~1.8 s to import) nor pandas,
 and the config copy `moe-lab list` runs ~2000 times equals the YAML round trip it replaced."""
 
 from __future__ import annotations

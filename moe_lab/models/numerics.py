@@ -131,20 +131,28 @@ class RolloutNumerics:
         partial and the sum written in ``out_dtype`` (module docstring), returned in x's dtype."""
         return self.gemm(quant_act(x) if self.float8 else x, w)
 
-    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, w: torch.Tensor, written: bool = True) -> torch.Tensor:
         """``matmul`` of activations already quantised (quant_act works row by row, so rows quantised together and
-        then selected have the bits of rows selected and then quantised)."""
-        out = self.out_dtype(x.dtype)
+        then selected have the bits of rows selected and then quantised). ``written=False``: before the last
+        rounding to ``out_dtype`` (``write`` applies it), which is elementwise: rows of several GEMMs can take it
+        together."""
         x_RK = x.reshape(-1, x.shape[-1])
         rows, k = x_RK.shape
         chunks = split_k_chunks(rows, k) if self.batch_variant else 1
         if chunks == 1:  # one partial: its rounding to ``out`` is the sum's (rounding twice changes no bit)
-            return row_gemm(x_RK, w).to(out).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
-        acc = None
-        for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
-            y = row_gemm(xc, wc).to(out).float()  # the partial as the kernel writes it, summed in fp32
-            acc = y if acc is None else acc + y
-        return acc.to(out).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+            y = row_gemm(x_RK, w)
+        else:
+            out, y = self.out_dtype(x.dtype), None
+            for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
+                part = row_gemm(xc, wc).to(out).float()  # the partial as the kernel writes it, summed in fp32
+                y = part if y is None else y + part
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+        return self.write(y, x.dtype) if written else y
+
+    def write(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A GEMM's output as written (``out_dtype`` of activations in ``dtype``), returned in ``dtype``; exact
+        for a value already written (fp32 sums of bf16 partials included)."""
+        return y.to(self.out_dtype(dtype)).to(dtype)
 
 
 def row_gemm(x_RK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
@@ -176,22 +184,27 @@ def _experts_forward(numerics: RolloutNumerics, cache: dict):
     (token, slot) pairs in row-major order, so the same row count M for split_k_chunks), and act(gate) * up is
     taken per expert as there (an activation's vectorised body and scalar tail may differ by an ulp). What is
     batched over all experts is exact row by row or element by element: the activation quantisation (per row
-    tiles), the gate-weight product and the scatter. Same bits, a fraction of the small tensor ops."""
+    tiles), the rounding of the GEMMs' outputs to ``out_dtype``, the gate-weight product and the scatter. Same
+    bits (tests/test_rollout_numerics_reference.py), a fraction of the small tensor ops."""
     def forward(self, hidden_NH: torch.Tensor, top_k_index_NK: torch.Tensor, top_k_weights_NK: torch.Tensor):
         N, K = top_k_index_NK.shape
         w_up, w_down = numerics.weight(self.gate_up_proj, cache), numerics.weight(self.down_proj, cache)
         slot_R, counts = _slots_by_expert(top_k_index_NK, w_up.shape[0])
+        if not counts:  # every slot masked
+            return hidden_NH.new_zeros(hidden_NH.shape)
         x_NH = quant_act(hidden_NH) if numerics.float8 else hidden_NH
         tok_R = slot_R.div(K, rounding_mode="floor")
+        gate_up_R2I = numerics.write(torch.cat([numerics.gemm(x_NH[tok_R[rows]], w_up[e], written=False)
+                                                for e, rows in counts]), hidden_NH.dtype)
         inter = []
-        for e, rows in counts:
-            gate, up = numerics.gemm(x_NH[tok_R[rows]], w_up[e]).chunk(2, dim=-1)
+        for _, rows in counts:  # the activation per expert, on the [M, 2I] block the per-expert loop had
+            gate, up = gate_up_R2I[rows].chunk(2, dim=-1)
             inter.append(self.act_fn(gate) * up)
-        inter_RI = torch.cat(inter) if inter else hidden_NH.new_zeros(0, w_down.shape[-1])
+        inter_RI = torch.cat(inter)
         if numerics.float8:
             inter_RI = quant_act(inter_RI)
-        y_RH = torch.cat([numerics.gemm(inter_RI[rows], w_down[e]) for e, rows in counts]) if counts else \
-            hidden_NH.new_zeros(0, hidden_NH.shape[-1])
+        y_RH = numerics.write(torch.cat([numerics.gemm(inter_RI[rows], w_down[e], written=False)
+                                         for e, rows in counts]), hidden_NH.dtype)
         y_RH = y_RH * top_k_weights_NK.reshape(-1)[slot_R, None].to(y_RH.dtype)
         out_NKH = y_RH.new_zeros(N * K, hidden_NH.shape[-1]).index_copy_(0, slot_R, y_RH).reshape(N, K, -1)
         first = N % K if numerics.batch_variant else 0
