@@ -84,9 +84,29 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _yaml_copy(value: Any) -> Any:
+    """What ``yaml.safe_load(yaml.safe_dump(value))`` returns (a deep copy, tuples as lists, mapping keys sorted
+    where they compare, as safe_dump sorts them), without the YAML text: `moe-lab list` copies ~2000 configs.
+    Anything but plain mappings, sequences and scalars goes through YAML itself."""
+    if type(value) in _SCALARS:
+        return value
+    if type(value) is dict:
+        try:
+            keys = sorted(value)
+        except TypeError:
+            keys = list(value)
+        return {k: _yaml_copy(value[k]) for k in keys}
+    if type(value) in (list, tuple):
+        return [_yaml_copy(v) for v in value]
+    return yaml.safe_load(yaml.safe_dump(value))
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `section.field=value` overrides (values parsed as YAML scalars) to a config dict."""
-    out = yaml.safe_load(yaml.safe_dump(data or {}))
+    out = _yaml_copy(data or {})
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected the form section.field=value, e.g. rl.algo=gspo")

@@ -58,13 +58,16 @@ def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int = BLOCK) -> tor
     shape = x.shape
     x2 = x.float().reshape(-1, shape[-2] if x.dim() > 1 else 1, shape[-1])
     n, r, c = x2.shape
+    # a block wider than the matrix is the matrix: its zero padding would change no amax and is dropped after
+    block_rows, block_cols = min(block_rows, r), min(block_cols, c)
     pr, pc = -r % block_rows, -c % block_cols
-    padded = nn.functional.pad(x2, (0, pc, 0, pr))
+    padded = nn.functional.pad(x2, (0, pc, 0, pr)) if pr or pc else x2
     blocks = padded.reshape(n, (r + pr) // block_rows, block_rows, (c + pc) // block_cols, block_cols)
     amax = blocks.abs().amax(dim=(2, 4), keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale
-    return q.reshape(n, r + pr, c + pc)[:, :r, :c].reshape(shape)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32).mul_(scale)
+    q = q.reshape(n, r + pr, c + pc)
+    return (q[:, :r, :c] if pr or pc else q).reshape(shape)
 
 
 def quant_act(x: torch.Tensor) -> torch.Tensor:
@@ -126,17 +129,30 @@ class RolloutNumerics:
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ w[N, K]^T with activations quantised (float8) and K split by the rows (batch_variant), each
         partial and the sum written in ``out_dtype`` (module docstring), returned in x's dtype."""
-        out = self.out_dtype(x.dtype)
-        if self.float8:
-            x = quant_act(x)
+        return self.gemm(quant_act(x) if self.float8 else x, w)
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor, written: bool = True) -> torch.Tensor:
+        """``matmul`` of activations already quantised (quant_act works row by row, so rows quantised together and
+        then selected have the bits of rows selected and then quantised). ``written=False``: before the last
+        rounding to ``out_dtype`` (``write`` applies it), which is elementwise: rows of several GEMMs can take it
+        together."""
         x_RK = x.reshape(-1, x.shape[-1])
         rows, k = x_RK.shape
         chunks = split_k_chunks(rows, k) if self.batch_variant else 1
-        acc = None
-        for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
-            y = row_gemm(xc, wc).to(out).float()  # the partial as the kernel writes it, summed in fp32
-            acc = y if acc is None else acc + y
-        return acc.to(out).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        if chunks == 1:  # one partial: its rounding to ``out`` is the sum's (rounding twice changes no bit)
+            y = row_gemm(x_RK, w)
+        else:
+            out, y = self.out_dtype(x.dtype), None
+            for xc, wc in zip(torch.tensor_split(x_RK, chunks, dim=-1), torch.tensor_split(w, chunks, dim=-1)):
+                part = row_gemm(xc, wc).to(out).float()  # the partial as the kernel writes it, summed in fp32
+                y = part if y is None else y + part
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+        return self.write(y, x.dtype) if written else y
+
+    def write(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A GEMM's output as written (``out_dtype`` of activations in ``dtype``), returned in ``dtype``; exact
+        for a value already written (fp32 sums of bf16 partials included)."""
+        return y.to(self.out_dtype(dtype)).to(dtype)
 
 
 def row_gemm(x_RK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
@@ -162,21 +178,53 @@ def _linear_forward(numerics: RolloutNumerics, cache: dict):
 
 def _experts_forward(numerics: RolloutNumerics, cache: dict):
     """The fused experts' forward (transformers' eager loop: gate, up = x W_gu^T; act(gate) * up; W_d), with the
-    numerics' GEMMs per expert and the combine summed over slots in the batch's order."""
+    numerics' GEMMs per expert and the combine summed over slots in the batch's order.
+
+    Each expert gets the rows it got in the per-expert loop this replaces (``torch.where(index == e)``: its
+    (token, slot) pairs in row-major order, so the same row count M for split_k_chunks), and act(gate) * up is
+    taken per expert as there (an activation's vectorised body and scalar tail may differ by an ulp). What is
+    batched over all experts is exact row by row or element by element: the activation quantisation (per row
+    tiles), the rounding of the GEMMs' outputs to ``out_dtype``, the gate-weight product and the scatter. Same
+    bits (tests/test_rollout_numerics_reference.py), a fraction of the small tensor ops."""
     def forward(self, hidden_NH: torch.Tensor, top_k_index_NK: torch.Tensor, top_k_weights_NK: torch.Tensor):
         N, K = top_k_index_NK.shape
         w_up, w_down = numerics.weight(self.gate_up_proj, cache), numerics.weight(self.down_proj, cache)
-        out_NKH = torch.zeros(N, K, hidden_NH.shape[-1], dtype=hidden_NH.dtype, device=hidden_NH.device)
-        for e in torch.unique(top_k_index_NK).tolist():
-            if e < 0 or e >= w_up.shape[0]:  # a masked slot (no expert)
-                continue
-            tok, slot = torch.where(top_k_index_NK == e)
-            gate, up = numerics.matmul(hidden_NH[tok], w_up[e]).chunk(2, dim=-1)
-            y = numerics.matmul(self.act_fn(gate) * up, w_down[e])
-            out_NKH[tok, slot] = y * top_k_weights_NK[tok, slot, None].to(y.dtype)
+        slot_R, counts = _slots_by_expert(top_k_index_NK, w_up.shape[0])
+        if not counts:  # every slot masked
+            return hidden_NH.new_zeros(hidden_NH.shape)
+        x_NH = quant_act(hidden_NH) if numerics.float8 else hidden_NH
+        tok_R = slot_R.div(K, rounding_mode="floor")
+        gate_up_R2I = numerics.write(torch.cat([numerics.gemm(x_NH[tok_R[rows]], w_up[e], written=False)
+                                                for e, rows in counts]), hidden_NH.dtype)
+        inter = []
+        for _, rows in counts:  # the activation per expert, on the [M, 2I] block the per-expert loop had
+            gate, up = gate_up_R2I[rows].chunk(2, dim=-1)
+            inter.append(self.act_fn(gate) * up)
+        inter_RI = torch.cat(inter)
+        if numerics.float8:
+            inter_RI = quant_act(inter_RI)
+        y_RH = numerics.write(torch.cat([numerics.gemm(inter_RI[rows], w_down[e], written=False)
+                                         for e, rows in counts]), hidden_NH.dtype)
+        y_RH = y_RH * top_k_weights_NK.reshape(-1)[slot_R, None].to(y_RH.dtype)
+        out_NKH = y_RH.new_zeros(N * K, hidden_NH.shape[-1]).index_copy_(0, slot_R, y_RH).reshape(N, K, -1)
         first = N % K if numerics.batch_variant else 0
         total = out_NKH[:, first]
         for j in range(1, K):
             total = total + out_NKH[:, (first + j) % K]
         return total.to(numerics.out_dtype(total.dtype)).to(total.dtype)  # the fused-MoE kernel's output
     return forward
+
+
+def _slots_by_expert(top_k_index_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
+    """The flat (token * K + slot) indices of every routed slot grouped by expert, row-major within an expert, and
+    (expert, its slice of them) for each expert with rows; masked slots (no expert: < 0 or >= E) are left out."""
+    flat = top_k_index_NK.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    slot_R = torch.argsort(key, stable=True)
+    sizes = torch.bincount(key, minlength=num_experts + 1)[:num_experts].tolist()
+    counts, start = [], 0
+    for e, size in enumerate(sizes):
+        if size:
+            counts.append((e, slice(start, start + size)))
+        start += size
+    return slot_R[:start], counts

@@ -22,9 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING
 
 from moe_lab.rl.runlog import (EVAL_FILE, METRICS_FILE, atomic_write_bytes, atomic_write_text, fsync_path, read_rows,
                                rows_digest)
@@ -33,6 +31,11 @@ MARKER = "state.json"
 SNAPSHOTS = "lagged.safetensors"
 # state key -> the table file (in the run folder, the checkpoint's parent) whose first rows it counts
 TABLES = {"rows": METRICS_FILE, "eval_rows": EVAL_FILE}
+
+if TYPE_CHECKING:
+    import torch
+# torch and safetensors are imported by the functions that read or write tensors: read_state (what `moe-lab list`
+# and the runner use to see whether a run finished) reads JSON and the tables only, and importing torch costs ~1 s.
 
 
 class ResumeError(ValueError):
@@ -89,6 +92,9 @@ def save(ckpt_dir: Path, model, optimizer, state: dict, snapshots: list[dict] | 
     if tables:
         state["tables"] = tables
     state["digest"] = _state_digest(state)
+    import safetensors.torch
+    import torch
+
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
@@ -142,6 +148,9 @@ def load(ckpt_dir: Path, model, optimizer) -> dict | None:
     if got is None:
         return None
     state, found = got
+    import safetensors.torch
+    import torch
+
     missing, unexpected = safetensors.torch.load_model(model, str(found / "model.safetensors"))
     if missing or unexpected:
         raise ValueError(f"checkpoint {found} does not fit the model: missing {missing}, unexpected {unexpected}")
@@ -158,6 +167,8 @@ def load_snapshots(ckpt_dir: Path, device: torch.device | str = "cpu") -> list[d
     found = _complete(Path(ckpt_dir))
     if found is None or not (found / SNAPSHOTS).is_file():
         return []
+    import safetensors.torch
+
     flat = safetensors.torch.load_file(str(found / SNAPSHOTS), device=str(device))
     snaps: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in flat.items():

@@ -35,8 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from moe_lab.constants import MACHINE_ENV
 from moe_lab.rl.cpuinfo import processor_info
 from moe_lab.config import ConfigError, dump_yaml, from_dict, load_yaml, upgrade_run_config, validate
@@ -109,6 +107,8 @@ def atomic_write_parquet(path: Path, rows: list[dict]) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    import pandas as pd  # here, not at the top: every `moe-lab` command imports this module (~0.4 s for pandas)
+
     frame = pd.DataFrame(rows)
     text_columns = [c for c in frame.columns if frame[c].dtype == object]
     try:
@@ -127,6 +127,8 @@ def read_rows(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
+    import pandas as pd
+
     return pd.read_parquet(path).to_dict("records")
 
 
