@@ -129,6 +129,13 @@ def write_table(out: Path, records: list[dict]) -> None:
                                   encoding="utf-8")
 
 
+def _in_order(pool, todo: list):
+    """The records of ``todo`` as they finish in declared order: the base level alone, then the rest in parallel."""
+    first = [lv for lv in todo if lv[0] == "base"]
+    yield from map(run_level, first)
+    yield from pool.map(run_level, [lv for lv in todo if lv not in first])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
@@ -144,8 +151,10 @@ def main() -> int:
     wanted = set(args.only.split(",")) if args.only else None
     todo = [lv for lv in LEVELS if (lv[0], lv[1]) not in done and (wanted is None or lv[1] in wanted)]
     if not args.table_only:
+        # the base level alone first: it builds the dense control's cold start, which the rollout-side levels
+        # share (two processes would otherwise build the same entry at once)
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for record in pool.map(run_level, todo):
+            for record in _in_order(pool, todo):
                 records.append(record)
                 with open(path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(record) + "\n")
