@@ -93,3 +93,30 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moe-lab fidelity: error:") and "\n" not in err
+
+
+def test_a_run_folder_is_read_with_its_config_and_the_overrides(tmp_path):
+    from moe_lab.config import ConfigError, dump_yaml
+
+    cfg, _, _ = setup()
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+    source = fidelity_run.resolve(str(tmp_path), ["rl.lr=0.002"])
+    assert source.cfg.rl.lr == 0.002 and source.cfg.model == cfg.model
+    assert source.checkpoint is None  # no checkpoint: the cold start
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="not a run folder"):
+        fidelity_run.resolve(str(tmp_path / "empty"), [])
+
+
+def test_update_rows_read_the_change_after_one_update_and_the_deeper_half_over_the_shallower():
+    def row(minibatch, layers, clip):
+        return {"minibatch": minibatch, "routing/expert_change": sum(layers) / len(layers), "clip_frac/active": clip,
+                **{f"routing/layer_{l}/expert_change": v for l, v in enumerate(layers)}}
+
+    grpo = [row(0, [0, 0, 0, 0], 0.01), row(1, [0.02, 0.04, 0.06, 0.12], 0.01), row(2, [0.5] * 4, 0.01),
+            row(1, [0.02, 0.02, 0.04, 0.04], 0.01)]
+    gspo = [row(m, [0, 0, 0, 0], 0.5) for m in range(4)]
+    rows = {r.key: r for r in fidelity_table.update_rows(grpo, gspo)}
+    assert rows["expert_change_update"].value == pytest.approx((0.06 + 0.03) / 2)  # minibatch 1 rows only
+    assert rows["expert_change_depth"].value == pytest.approx((0.09 / 0.03 + 0.04 / 0.02) / 2)
+    assert rows["clip_ratio"].value == pytest.approx(50.0) and rows["clip_ratio"].ok
