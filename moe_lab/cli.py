@@ -28,6 +28,7 @@ COMMANDS = (
     "moe_lab.commands.forest",
     "moe_lab.audit.check_trace",
     "moe_lab.audit.volatility",
+    "moe_lab.audit.fidelity",
     "moe_lab.launch.progress",
     "moe_lab.commands.config_table",
     "moe_lab.commands.list_experiments",

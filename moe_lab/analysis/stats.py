@@ -78,6 +78,33 @@ def mean_ci(values: Iterable[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def ratio_ci(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[float, float, float]:
+    """(R, lo, hi): the ratio of means R = mean(num) / mean(den) with a 95% delta-method t-interval.
+
+    paired (the same units measured twice, e.g. k3 with and without replay on the same prompts): se from the
+    per-unit residuals num - R den, df = n - 1; unpaired (two independent samples): se^2 = (s_num^2 / n_num +
+    R^2 s_den^2 / n_den) / mean(den)^2 with the smaller sample's df. NaN bounds with fewer than 2 units or a
+    zero denominator mean."""
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if paired:
+        keep = np.isfinite(a) & np.isfinite(b)
+        a, b = a[keep], b[keep]
+    else:
+        a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if a.size == 0 or b.size == 0 or b.mean() == 0:
+        return math.nan, math.nan, math.nan
+    ratio = float(a.mean() / b.mean())
+    if min(a.size, b.size) < 2:
+        return ratio, math.nan, math.nan
+    if paired:
+        se, df = float((a - ratio * b).std(ddof=1)) / math.sqrt(a.size) / abs(b.mean()), a.size - 1
+    else:
+        var = a.var(ddof=1) / a.size + ratio ** 2 * b.var(ddof=1) / b.size
+        se, df = math.sqrt(var) / abs(b.mean()), min(a.size, b.size) - 1
+    half = t_quantile_975(df) * se
+    return ratio, ratio - half, ratio + half
+
+
 def ci_columns(grouped: pd.core.groupby.SeriesGroupBy) -> pd.DataFrame:
     """Vectorised mean_ci over groups: columns mean, lo, hi, n."""
     out = grouped.agg(["mean", "std", "count"])

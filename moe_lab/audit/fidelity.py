@@ -1,0 +1,102 @@
+"""`moe-lab fidelity RUN_OR_CONFIG [FIELD=VALUE ...]`: moe_lab's figures against the published ones, one table.
+
+RUN_OR_CONFIG: a run folder (its config.yaml and checkpoint; a run without a checkpoint: its cold start), an
+experiment file (its first cell) or a bare config YAML (their cold start, built and cached if missing); the
+FIELD=VALUE overrides are `moe-lab run`'s. With a fixed number of rollouts (``--prompts``, in rollout batches of
+rl.prompts_per_step, rl.group_size samples each) it measures the rollout/trainer mismatch the config's rollout
+numerics make (rollouts and forwards only), its dense control's (``--no-dense``: skipped; it has its own cold
+start), and, on a copy, a few RL steps of GRPO and of GSPO (``--update-steps``; 0: skipped): the rows of
+moe_lab.audit.fidelity_table, defined in docs/metrics.md ("Fidelity against the published figures").
+
+Prints the table (``--json``: a JSON list of its rows instead). Exit codes: 0 done (whatever the verdicts); 2 bad
+input (one line on stderr, before any model is built: a missing path, a bad override or field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+TAKES_OVERRIDES = True
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("fidelity", help="moe_lab's rollout/trainer mismatch, routing and update figures against the "
+                                        "published ones (R3 paper, prime-rl, GSPO), one table with bands")
+    p.add_argument("source", metavar="RUN_OR_CONFIG", help="run folder, experiment file or config YAML")
+    p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="override any config field, e.g. model.top_k=4")
+    p.add_argument("--prompts", type=int, default=32, help="prompts of the mismatch rows (default 32: two rollout "
+                                                           "batches of the default config, seconds per batch)")
+    p.add_argument("--update-steps", type=int, default=4,
+                   help="RL steps of GRPO and of GSPO for the update rows (default 4; 0: no update rows)")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense control (it needs its own cold start)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    return p
+
+
+def check(args):
+    """The Source to measure and the dense control's config; ValueError (one line) before any model is built."""
+    from moe_lab.audit import fidelity_run
+
+    for flag, value, low in (("--prompts", args.prompts, 2), ("--update-steps", args.update_steps, 0)):
+        if value < low:
+            raise ValueError(f"{flag}={value}: expected an integer >= {low}")
+    source = fidelity_run.resolve(args.source, args.overrides)
+    dense = None if args.no_dense else fidelity_run.dense_control(fidelity_run.measured(source.cfg))
+    return source, dense
+
+
+def measure(source, dense_cfg, prompts: int, update_steps: int) -> tuple[list, dict]:
+    """(rows, timings in seconds) of one source; timings: mismatch, dense, updates, and step_s (GRPO's mean)."""
+    from moe_lab.audit import fidelity_run, fidelity_table
+
+    times = {}
+    t0 = time.perf_counter()
+    task, policy = fidelity_run.load_policy(source.cfg, source.checkpoint)
+    samples = fidelity_run.mismatch_samples(policy, task, source.cfg, prompts)
+    times["mismatch_s"] = time.perf_counter() - t0
+    dense = None
+    if dense_cfg is not None:
+        t0 = time.perf_counter()
+        dense_task, dense_policy = fidelity_run.load_policy(dense_cfg, None)
+        dense = fidelity_run.mismatch_samples(dense_policy, dense_task, dense_cfg, prompts)
+        times["dense_s"] = time.perf_counter() - t0
+    rows = fidelity_table.mismatch_rows(samples, dense)
+    if update_steps:
+        t0 = time.perf_counter()
+        grpo = fidelity_run.update_samples(policy, task, source.cfg, "grpo", update_steps)
+        gspo = fidelity_run.update_samples(policy, task, source.cfg, "gspo", update_steps)
+        times["updates_s"] = time.perf_counter() - t0
+        steps = {r["step"]: r["perf/step_s"] for r in grpo}
+        times["step_s"] = sum(steps.values()) / len(steps)
+        rows += fidelity_table.update_rows(grpo, gspo)
+    return rows, times
+
+
+def main(args) -> int:
+    from moe_lab.config import ConfigError
+
+    try:
+        source, dense = check(args)
+    except (ValueError, ConfigError) as exc:
+        print(f"moe-lab fidelity: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    from moe_lab.audit import fidelity_table
+
+    rows, times = measure(source, dense, args.prompts, args.update_steps)
+    if args.json:
+        clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.as_dict().items()}
+                 for r in rows]
+        from moe_lab.rl.coldstart import recorded
+
+        print(json.dumps({"source": source.label, "coldstart": recorded(source.cfg), "timings": times, "rows": clean},
+                         indent=1))
+    else:
+        print(f"fidelity of {source.label}: {args.prompts} prompts x {source.cfg.rl.group_size} rollouts, "
+              f"{args.update_steps} RL steps per algorithm")
+        print(fidelity_table.format_table(rows))
+        print("timings: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    return 0
