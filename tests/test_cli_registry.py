@@ -21,7 +21,7 @@ def test_every_command_is_one_registered_module():
         name = module.add_parser(argparse.ArgumentParser(prog="moe-lab").add_subparsers()).prog.split()[-1]
         assert callable(module.main) and f"{name} ({module_name})" in described
         names.append(name)
-    assert len(set(names)) == len(cli.COMMANDS) == 12
+    assert len(set(names)) == len(cli.COMMANDS)  # one name per module, none registered twice
 
 
 @pytest.mark.parametrize("module, argv, needle", [
