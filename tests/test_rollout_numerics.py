@@ -226,3 +226,21 @@ def test_rollout_numerics_leave_the_cold_start_key_alone():
 def test_gpt_oss_refuses_emulated_numerics_before_any_work():
     with pytest.raises(ConfigError, match="rl.rollout_dtype=float8"):
         setup({"rollout_dtype": "float8"}, family="gpt_oss")
+
+
+def test_float8_runs_a_width_0_shared_expert_whose_output_stays_0():
+    """model.shared_expert=false builds a width-0 shared expert (families/spec.py shared_width): under float8 its
+    empty weights have no block to scale, and the empty sum still gives exactly 0 (the search of issue 55 hit
+    this as a reshape error)."""
+    assert fake_quant(torch.empty(0, 5), 1).shape == (0, 5) and fake_quant(torch.empty(5, 0), 128).shape == (5, 0)
+    model = RolloutNumerics(float8=True).install(tiny(family="qwen2_moe", top_k=2, shared_expert=False))
+    seen = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out))
+             for name, m in model.named_modules() if name.endswith("mlp.shared_expert")]
+    ids = torch.randint(3, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    for h in hooks:
+        h.remove()
+    assert hooks and len(seen) == len(hooks) and all(torch.equal(out, torch.zeros_like(out)) for out in seen)
+    assert torch.isfinite(logits).all()

@@ -56,6 +56,8 @@ def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int = BLOCK) -> tor
     """e4m3 fake quantisation of the last two dims of ``x`` in (block_rows x block_cols) blocks, one scale
     amax / 448 per block (an all-zero block keeps scale 1); returns fp32. block_rows=1: activation tiles."""
     shape = x.shape
+    if x.numel() == 0:  # a width-0 weight (model.shared_expert=false) has no block to scale: nothing to round
+        return x.float()
     x2 = x.float().reshape(-1, shape[-2] if x.dim() > 1 else 1, shape[-1])
     n, r, c = x2.shape
     # a block wider than the matrix is the matrix: its zero padding would change no amax and is dropped after
@@ -72,7 +74,7 @@ def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int = BLOCK) -> tor
 
 def quant_act(x: torch.Tensor) -> torch.Tensor:
     """Activations in 1 x BLOCK tiles along the last (reduction) dim, back in x's dtype."""
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.flatten(0, -2) if x.dim() > 1 else x[None]  # reshape(-1, 0) is ambiguous for a width-0 input
     return fake_quant(flat, 1).reshape(x.shape).to(x.dtype)
 
 
@@ -136,7 +138,7 @@ class RolloutNumerics:
         then selected have the bits of rows selected and then quantised). ``written=False``: before the last
         rounding to ``out_dtype`` (``write`` applies it), which is elementwise: rows of several GEMMs can take it
         together."""
-        x_RK = x.reshape(-1, x.shape[-1])
+        x_RK = x.flatten(0, -2) if x.dim() > 1 else x[None]  # not reshape(-1, K): ambiguous when K = 0
         rows, k = x_RK.shape
         chunks = split_k_chunks(rows, k) if self.batch_variant else 1
         if chunks == 1:  # one partial: its rounding to ``out`` is the sum's (rounding twice changes no bit)
