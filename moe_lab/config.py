@@ -63,10 +63,8 @@ class ModelConfig:
                                       "output depends on its routing alone. The other families have none: there it "
                                       "changes nothing")
     max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
-    experts_impl: str = param("grouped_mm", "routed experts' forward: transformers' grouped_mm or eager, or fused "
-                                            "(moe_lab/models/experts.py: no tokens x top-k x hidden temporaries; "
-                                            "within 1e-6 of grouped_mm, not its bits; docs/guide.md says when); "
-                                            "batched_mm is ~50x slower on CPU and refused",
+    experts_impl: str = param("grouped_mm", "routed experts' forward: grouped_mm, eager or fused (models/experts.py: "
+                                            "within 1e-6 of grouped_mm, not its bits; docs/guide.md says when)",
                               choices=C.EXPERTS_KERNELS)
     device: str = param("cpu", "where the policy runs: cpu, cuda, or auto (cuda when visible). Training is fp32 "
                                "on either; the CUDA path passed scripts/gpu_check.sh's tests on one H200 (results/reference/gpu)",
@@ -315,11 +313,8 @@ def _check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
         raise ConfigError(f"{name}={value!r} is out of range: allowed {_allowed(meta)}")
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    # resolving the string annotations (``from __future__ import annotations``) costs ~0.3 ms a class: `moe-lab list`
-    # validates ~1000 cells of 8 classes each
-    return typing.get_type_hints(cls)
+# resolving string annotations costs ~0.3 ms a class, and `moe-lab list` validates ~1000 cells of 8 classes each
+_hints = functools.cache(typing.get_type_hints)
 
 
 def _walk(cfg: Any, prefix: str = ""):
