@@ -140,6 +140,10 @@ def test_blocks_expand_nested_and_interleaved():
     ({"contrasts": {"primary": [{"arm": "gspo", "vs": "grpo", "equivalence_margin": -1}]}},
      "contrasts.primary.equivalence_margin"),
     ({"contrasts": {"tertiary": []}}, "contrasts: expected a mapping with keys primary, secondary"),
+    ({"contrasts": {"primary": [{"arm": "gspo", "vs": "grpo", "minus": {"arm": "gspo", "vs": "grpo_r2"}}]}},
+     "an interaction names four different arms"),
+    ({"contrasts": {"primary": [{"arm": "gspo", "vs": "grpo", "minus": {"arm": "grpo_r2w"}}]}},
+     "contrasts.primary.minus: expected {arm: C, vs: D}"),
 ])
 def test_bad_blocks_and_contrasts_get_one_line(change, needle):
     exp = {**load_yaml("experiments/router_learns.yaml"), **change}
@@ -168,3 +172,74 @@ def test_compare_prints_the_declared_contrasts_it_computes(capsys):
     primary = table[table["role"] == "primary"]
     assert (primary["holm_p"] >= primary["hypothesis_p"] - 1e-15).all()
 
+
+
+def _four_arms(seed: int, m: int = 6, n: int = 3) -> pd.DataFrame:
+    """Four arms in m blocks: a block intercept, a block x arm effect per arm and run noise (unbalanced below)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in range(m):
+        u = rng.normal(0, 0.1)
+        for arm, mu in {"A": 0.55, "B": 0.5, "C": 0.52, "D": 0.5}.items():
+            v = rng.normal(0, 0.03)
+            rows += [{"y": rng.normal(mu + u + v, 0.04), "arm": arm, "block": b, "collapsed": False}
+                     for _ in range(n + (b + len(arm)) % 2)]
+    return pd.DataFrame(rows)
+
+
+INTERACTION = Contrast("A", "B", "primary", 0.02, ("C", "D"))
+
+
+def _runs(df: pd.DataFrame) -> pd.DataFrame:
+    return df.rename(columns={"arm": "arm_base", "y": "primary"}).assign(setting="")
+
+
+@pytest.mark.parametrize("seed", [3, 9])
+def test_interaction_is_the_t_test_of_per_cold_start_differences_of_differences(seed):
+    # (A - B) - (C - D) at the cold-start level: scipy's one-sample t of the per-block difference of differences.
+    df = _four_arms(seed)
+    means = df.groupby(["block", "arm"])["y"].mean().unstack()
+    d = ((means["A"] - means["B"]) - (means["C"] - means["D"])).to_numpy()
+    row = declared_contrasts(_runs(df), [INTERACTION]).iloc[0]
+    ref = stats.ttest_1samp(d, 0.0)
+    assert row["diff"] == pytest.approx(d.mean(), abs=1e-12) and row["df"] == len(d) - 1
+    assert row["p"] == pytest.approx(ref.pvalue, rel=1e-9)
+    assert (row["lo"], row["hi"]) == tuple(pytest.approx(v, rel=1e-9) for v in ref.confidence_interval())
+    assert (row["arm"], row["vs"]) == ("(A − B)", "(C − D)")
+    # TOST at the declared margin is the larger one-sided p of the same t
+    assert row["tost_p"] == pytest.approx(tost_p(d.mean(), d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1, 0.02),
+                                          rel=1e-9)
+
+
+def test_interaction_conditional_se_is_stratified_welch_over_four_groups():
+    df = _four_arms(11)
+    row = declared_contrasts(_runs(df), [INTERACTION]).iloc[0]
+    g = df.groupby(["block", "arm"])["y"].agg(["var", "count"])
+    m = df["block"].nunique()
+    parts = (g["var"] / g["count"] / m ** 2).to_numpy()
+    se2 = parts.sum()
+    df_ws = se2 ** 2 / np.sum(parts ** 2 / (g["count"] - 1).to_numpy())
+    assert row["cond_se"] == pytest.approx(np.sqrt(se2), rel=1e-12)
+    assert row["cond_df"] == pytest.approx(df_ws, rel=1e-12)
+
+
+def test_interaction_with_a_copied_arm_is_the_plain_contrast():
+    # If C and D are the same runs (relabelled), (A - B) - (C - D) = A - B in every cold start up to rounding.
+    df = _four_arms(5)
+    copy = df[df["arm"] == "D"].assign(arm="C")
+    df = pd.concat([df[df["arm"] != "C"], copy])
+    inter = declared_contrasts(_runs(df), [INTERACTION]).iloc[0]
+    plain = declared_contrasts(_runs(df), [Contrast("A", "B", "primary", 0.02)]).iloc[0]
+    for key in ("diff", "se", "lo", "hi", "p", "tost_p"):
+        assert inter[key] == pytest.approx(plain[key], rel=1e-9, abs=1e-12)
+    assert inter["cond_se"] > plain["cond_se"]  # C and D add their own run noise to the conditional interval
+
+
+def test_two_arm_contrasts_keep_their_formula_bit_for_bit():
+    # The weighted cells reduce to mean(arm) - mean(vs) exactly: no rounding step was added for two arms.
+    from moe_lab.analysis.stats import block_diffs
+    df = _blocked(6)
+    got = block_diffs(_cells(df))
+    for b, part in df.groupby("block"):
+        a, v = (part.loc[part["arm"] == arm, "y"].to_numpy() for arm in ("A", "B"))
+        assert got[b] == a.mean() - v.mean()

@@ -1,5 +1,8 @@
 """Declared contrasts of an experiment (``contrasts:``), by cold start, with TOST and Holm.
 
+An interaction ((A - B) - (C - D), ``minus:``) is one more contrast of the same kind: its per-cold-start value is the
+difference of the two differences within that cold start, and the same two intervals, TOST and Holm apply.
+
 Each contrast is taken within each setting and reported twice (moe_lab/analysis/stats.py says why): at the cold-start
 level, the unit of generalisation (the t over the per-cold-start differences, m - 1 df), which TOST and Holm use;
 and conditional on these cold starts (a stratified Welch interval), labelled so and printed beside it. An
@@ -21,8 +24,8 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.analysis.endpoints import format_p, load_comparison
-from moe_lab.analysis.stats import (block_cells, block_diffs, cold_start_level, conditional, holm, permutation_p,
-                                    t_half_width, tost_p, welch_diff_ci)
+from moe_lab.analysis.stats import (block_cells, block_diffs, cold_start_level, combination_cells, conditional, holm,
+                                    permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
 from moe_lab.launch.design import Contrast, contrasts_spec
 from moe_lab.rl.run_folder import as_results
 
@@ -31,19 +34,31 @@ from moe_lab.rl.run_folder import as_results
 
 
 def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
-    x, y = runs[runs["arm_base"] == c.arm], runs[runs["arm_base"] == c.vs]
-    row = {"setting": setting, "arm": c.arm, "vs": c.vs, "role": c.role, "margin": c.margin,
-           "n": len(x), "n_vs": len(y), "collapsed": int(x["collapsed"].sum()),
-           "collapsed_vs": int(y["collapsed"].sum())}
-    both = pd.concat([x, y])
-    cells = block_cells(both[column], both["arm_base"] == c.arm, both["block"])
+    weights = c.weights()
+    plus = runs[runs["arm_base"].map(weights) > 0]  # the arm side: arm (and minus.vs in an interaction)
+    neg = runs[runs["arm_base"].map(weights) < 0]
+    arm, vs = c.sides()
+    row = {"setting": setting, "arm": arm, "vs": vs, "role": c.role, "margin": c.margin,
+           "n": len(plus), "n_vs": len(neg), "collapsed": int(plus["collapsed"].sum()),
+           "collapsed_vs": int(neg["collapsed"].sum())}
+    both = runs[runs["arm_base"].isin(list(weights))]
+    if c.minus:
+        cells = combination_cells(both[column], both["arm_base"], both["block"], weights)
+    else:
+        both = pd.concat([plus, neg])
+        cells = block_cells(both[column], both["arm_base"] == c.arm, both["block"])
     level, cond = cold_start_level(cells), conditional(cells)
     row.update(diff=level.diff, se=level.se, df=level.df, lo=level.lo, hi=level.hi, p=level.p, blocks=len(cells),
                cond_se=cond.se, cond_df=cond.df, cond_lo=cond.lo, cond_hi=cond.hi, cond_p=cond.p)
     row["per_block"] = {str(k): d for k, d in block_diffs(cells).items()}
-    row["welch_diff"], row["welch_lo"], row["welch_hi"] = welch_diff_ci(x[column].tolist(), y[column].tolist(),
+    if c.minus:  # no two-sample permutation exists for a difference of differences; Welch pooled over cold starts
+        groups = [(w, both.loc[both["arm_base"] == a, column].tolist()) for a, w in weights.items()]
+        row["welch_diff"], row["welch_lo"], row["welch_hi"] = pooled_combination(groups)
+        row["perm_p"] = math.nan
+        return row
+    row["welch_diff"], row["welch_lo"], row["welch_hi"] = welch_diff_ci(plus[column].tolist(), neg[column].tolist(),
                                                                         floor_dof=False)
-    row["perm_p"] = permutation_p(x[column].dropna(), y[column].dropna())[0]
+    row["perm_p"] = permutation_p(plus[column].dropna(), neg[column].dropna())[0]
     return row
 
 
@@ -56,7 +71,7 @@ def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], col
     rows = []
     for setting, runs in per_run.groupby("setting", sort=False):
         arms = set(runs["arm_base"])
-        rows += [_one(runs, setting, c, column) for c in contrasts if {c.arm, c.vs} <= arms]
+        rows += [_one(runs, setting, c, column) for c in contrasts if set(c.weights()) <= arms]
     table = pd.DataFrame(rows)
     if not len(table):
         return table

@@ -180,23 +180,39 @@ def _finite(values: Sequence[float]) -> np.ndarray:
     return a[np.isfinite(a)]
 
 
-Cells = dict  # block -> (the arm's finite values, the other arm's finite values)
+Cells = dict
+"""block -> ((weight, the group's finite values), ...): one group per arm, in declared order. A difference of two
+arms has weights (+1, -1); an interaction (a difference of differences) has four groups, (+1, -1, -1, +1)."""
 
 
-def block_cells(y: Sequence[float], is_arm: Sequence[bool], block: Sequence) -> Cells:
-    """Per block with a finite value in both arms: (arm values, vs values), blocks in sorted order."""
-    y, a, b = np.asarray(y, float), np.asarray(is_arm, bool), np.asarray(block)
+def combination_cells(y: Sequence[float], group: Sequence, block: Sequence, weights: dict) -> Cells:
+    """Per block with a finite value in every weighted group: the groups of ``weights`` (label -> weight, in
+    order), blocks in sorted order. A block missing any group is left out: its combination is undefined."""
+    y, g, b = np.asarray(y, float), np.asarray(group), np.asarray(block)
     cells = {}
     for key in sorted(set(b.tolist()), key=str):
-        x, v = _finite(y[(b == key) & a]), _finite(y[(b == key) & ~a])
-        if len(x) and len(v):
-            cells[key] = (x, v)
+        parts = tuple((float(w), _finite(y[(b == key) & (g == label)])) for label, w in weights.items())
+        if all(len(v) for _, v in parts):
+            cells[key] = parts
     return cells
 
 
+def block_cells(y: Sequence[float], is_arm: Sequence[bool], block: Sequence) -> Cells:
+    """Per block with a finite value in both arms: the arm's values (weight +1) and the other's (weight -1)."""
+    return combination_cells(y, np.asarray(is_arm, bool), block, {True: 1.0, False: -1.0})
+
+
+def _combination(parts) -> float:
+    # Summed in declared order from 0.0: with weights +1, -1 this is bit for bit mean(arm) - mean(vs).
+    total = 0.0
+    for w, v in parts:
+        total += w * float(v.mean())
+    return total
+
+
 def block_diffs(cells: Cells) -> dict:
-    """block -> mean(arm) - mean(vs) within it."""
-    return {k: float(x.mean() - v.mean()) for k, (x, v) in cells.items()}
+    """block -> the weighted combination of the groups' means within it (mean(arm) - mean(vs) for two arms)."""
+    return {k: _combination(parts) for k, parts in cells.items()}
 
 
 def cold_start_level(cells: Cells) -> Interval:
@@ -208,19 +224,39 @@ def cold_start_level(cells: Cells) -> Interval:
 
 
 def conditional(cells: Cells) -> Interval:
-    """The stratified Welch interval: conditional on these cold starts (needs >= 2 runs in every cell)."""
+    """The stratified Welch interval: conditional on these cold starts (needs >= 2 runs in every cell):
+    se^2 = sum over blocks and groups of w^2 s^2 / n / m^2, Welch-Satterthwaite df."""
     m = len(cells)
     if not m:
         return Interval.from_t(math.nan, math.nan, math.nan)
     diff = float(np.mean(list(block_diffs(cells).values())))
-    groups = [g for cell in cells.values() for g in cell]
-    if min(len(g) for g in groups) < 2:
+    groups = [(w, g) for parts in cells.values() for w, g in parts]
+    if min(len(g) for _, g in groups) < 2:
         return Interval.from_t(diff, math.nan, math.nan)
-    var = np.array([g.var(ddof=1) / len(g) / m ** 2 for g in groups])
-    dof = np.array([len(g) - 1 for g in groups], float)
+    var = np.array([w * w * g.var(ddof=1) / len(g) / m ** 2 for w, g in groups])
+    dof = np.array([len(g) - 1 for _, g in groups], float)
     total = float(var.sum())
     df = math.inf if total == 0 else total ** 2 / float(np.sum(var ** 2 / dof))
     return Interval.from_t(diff, math.sqrt(total), df)
+
+
+def pooled_combination(groups: Sequence[tuple[float, Sequence[float]]]) -> tuple[float, float, float]:
+    """(sum w mean(g), lo, hi) over runs pooled across cold starts: the run-level Welch interval of a weighted
+    combination of independent groups (se^2 = sum w^2 s^2 / n, Welch-Satterthwaite df); NaN bounds when a group
+    has fewer than 2 finite values. For an interaction it ignores the cold starts, as the two-arm Welch does."""
+    parts = [(float(w), _finite(g)) for w, g in groups]
+    if not all(len(v) for _, v in parts):
+        return math.nan, math.nan, math.nan
+    diff = _combination(parts)
+    if min(len(v) for _, v in parts) < 2:
+        return diff, math.nan, math.nan
+    var = np.array([w * w * v.var(ddof=1) / len(v) for w, v in parts])
+    total = float(var.sum())
+    if total == 0:
+        return diff, diff, diff
+    df = total ** 2 / float(np.sum(var ** 2 / np.array([len(v) - 1 for _, v in parts], float)))
+    iv = Interval.from_t(diff, math.sqrt(total), df)
+    return diff, iv.lo, iv.hi
 
 
 def t_half_width(se, df, quantile: float):

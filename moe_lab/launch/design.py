@@ -14,6 +14,11 @@ Holm-adjusted together; a contrast with ``equivalence_margin`` is also tested fo
       primary:   [{arm: gspo, vs: grpo_r2}, {arm: grpo_r2, vs: grpo, equivalence_margin: 0.05}]
       secondary: [{arm: grpo_r2w, vs: grpo_r2}]
 
+An **interaction** subtracts a second difference: ``{arm: A, vs: B, minus: {arm: C, vs: D}}`` is
+(A - B) - (C - D), taken per cold start like any contrast (for example R3 - R2 off-policy minus R3 - R2 on-policy)::
+
+      primary:   [{arm: grpo_r3_mb4, vs: grpo_r2_mb4, minus: {arm: grpo_r3_mb1, vs: grpo_r2_mb1}}]
+
 Arm names are arm bases (the name before ``__``). Nothing here imports torch.
 """
 
@@ -53,6 +58,21 @@ class Contrast:
     """primary (Holm-adjusted together) or secondary (reported, unadjusted)"""
     margin: float | None = None
     """equivalence margin: TOST of |arm - vs| < margin; None = difference test only"""
+    minus: tuple[str, str] | None = None
+    """(arm, vs) of a second difference subtracted: the interaction (arm - vs) - (minus.arm - minus.vs)"""
+
+    def weights(self) -> dict[str, float]:
+        """arm base -> its weight in the contrast: +1, -1 (and -1, +1 for the subtracted difference)."""
+        out = {self.arm: 1.0, self.vs: -1.0}
+        if self.minus:
+            out.update({self.minus[0]: -1.0, self.minus[1]: 1.0})
+        return out
+
+    def sides(self) -> tuple[str, str]:
+        """How the two sides read in a table: the arm names, or "(A − B)" and "(C − D)" for an interaction."""
+        if not self.minus:
+            return self.arm, self.vs
+        return f"({self.arm} − {self.vs})", f"({self.minus[0]} − {self.minus[1]})"
 
 
 def _seed_list(value: Any) -> bool:
@@ -81,21 +101,38 @@ def blocks_spec(exp: dict | None) -> Blocks | None:
     return Blocks(field, {k: list(v) for k, v in seeds.items()})
 
 
+def _arm_name(where: str, value: Any, arms: set[str]) -> str:
+    if arms and value not in arms:
+        raise ConfigError(f"{where}={value!r}: no such arm; allowed: {', '.join(sorted(arms))}")
+    return str(value)
+
+
+def _minus(where: str, item: Any, arms: set[str]) -> tuple[str, str] | None:
+    if item is None:
+        return None
+    if not isinstance(item, dict) or set(item) != {"arm", "vs"}:
+        raise ConfigError(f"{where}.minus: expected {{arm: C, vs: D}} (the difference subtracted), got {item!r}")
+    return _arm_name(f"{where}.minus.arm", item["arm"], arms), _arm_name(f"{where}.minus.vs", item["vs"], arms)
+
+
 def _contrast(role: str, item: Any, arms: set[str]) -> Contrast:
     where = f"contrasts.{role}"
     if not isinstance(item, dict) or not {"arm", "vs"} <= set(item) \
-            or set(item) - {"arm", "vs", "equivalence_margin"}:
-        raise ConfigError(f"{where}: expected entries {{arm: A, vs: B[, equivalence_margin: m]}}, got {item!r}")
-    for key in ("arm", "vs"):
-        if arms and item[key] not in arms:
-            raise ConfigError(f"{where}.{key}={item[key]!r}: no such arm; allowed: {', '.join(sorted(arms))}")
-    if item["arm"] == item["vs"]:
-        raise ConfigError(f"{where}: arm and vs are both {item['arm']!r}")
+            or set(item) - {"arm", "vs", "minus", "equivalence_margin"}:
+        raise ConfigError(f"{where}: expected entries {{arm: A, vs: B[, minus: {{arm: C, vs: D}}]"
+                          f"[, equivalence_margin: m]}}, got {item!r}")
+    arm, vs = (_arm_name(f"{where}.{key}", item[key], arms) for key in ("arm", "vs"))
+    if arm == vs:
+        raise ConfigError(f"{where}: arm and vs are both {arm!r}")
+    minus = _minus(where, item.get("minus"), arms)
+    if minus and len({arm, vs, *minus}) != 4:
+        raise ConfigError(f"{where}: an interaction names four different arms (arm, vs, minus.arm, minus.vs), "
+                          f"got {arm!r}, {vs!r}, {minus[0]!r}, {minus[1]!r}")
     margin = item.get("equivalence_margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                or not 0 < margin < math.inf):
         raise ConfigError(f"{where}.equivalence_margin: allowed a number > 0, got {margin!r}")
-    return Contrast(str(item["arm"]), str(item["vs"]), role, None if margin is None else float(margin))
+    return Contrast(arm, vs, role, None if margin is None else float(margin), minus)
 
 
 def contrasts_spec(exp: dict | None) -> list[Contrast]:
