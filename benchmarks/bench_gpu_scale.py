@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
+from moe_lab.launch.compose import compose
 from moe_lab.rl.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_gpu_scale: no CUDA device visible (this benchmark runs on a GPU only)")
-    base = load_yaml(str(ROOT / "experiments" / "paper.yaml"))["base"]
+    base = compose(load_yaml(str(ROOT / "experiments" / "paper.yaml")))["base"]  # the organism under the base
     common = [*model_overrides(a), f"rl.steps={a.steps}", f"rl.eval_every={a.steps}",
               f"coldstart.max_steps={a.coldstart_steps}", f"coldstart.lr={a.coldstart_lr}", "coldstart.eval_every=20",
               f"coldstart.cache_dir={a.cache or a.out / 'coldstart'}",

@@ -70,6 +70,7 @@ class CorrectionSpec:
     bounds (used when rl.rollout_correction_lower/upper are None). Only a MASK mode takes a lower bound."""
 
     name: str
+    label: str  # "" for none; names the mode in tables and arm presets (its lower-cased form: the arm suffix)
     level: str | None
     action: str | None
     lower: float | None
@@ -78,6 +79,8 @@ class CorrectionSpec:
     def __post_init__(self):
         if self.level not in (None, TOKEN, SEQUENCE) or self.action not in (None, TRUNCATE, MASK):
             raise ValueError(f"correction spec {self.name!r}: level={self.level!r}, action={self.action!r}")
+        if (self.level is None) != (self.label == ""):
+            raise ValueError(f"correction spec {self.name!r}: a label names a correction; none has none")
         if (self.level is None) != (self.action is None) or (self.level is None) != (self.upper is None):
             raise ValueError(f"correction spec {self.name!r}: level, action and upper are all set or all None")
         if self.lower is not None and not (self.action == MASK and 0.0 < self.lower < self.upper < math.inf):
@@ -110,12 +113,12 @@ _REPLAY_ROWS = (
 # TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5. MIS follows the
 # blog's rho 1[rho <= C] (upper only; a lower bound may be given).
 _CORRECTION_ROWS = (
-    CorrectionSpec("none", level=None, action=None, lower=None, upper=None),
-    CorrectionSpec("tis_token", level=TOKEN, action=TRUNCATE, lower=None, upper=2.0),
-    CorrectionSpec("tis_seq", level=SEQUENCE, action=TRUNCATE, lower=None, upper=2.0),
-    CorrectionSpec("mis_token", level=TOKEN, action=MASK, lower=None, upper=2.0),
-    CorrectionSpec("mis_seq", level=SEQUENCE, action=MASK, lower=None, upper=2.0),
-    CorrectionSpec("icepop", level=TOKEN, action=MASK, lower=0.5, upper=5.0),
+    CorrectionSpec("none", "", level=None, action=None, lower=None, upper=None),
+    CorrectionSpec("tis_token", "TIS", level=TOKEN, action=TRUNCATE, lower=None, upper=2.0),
+    CorrectionSpec("tis_seq", "TIS-seq", level=SEQUENCE, action=TRUNCATE, lower=None, upper=2.0),
+    CorrectionSpec("mis_token", "MIS", level=TOKEN, action=MASK, lower=None, upper=2.0),
+    CorrectionSpec("mis_seq", "MIS-seq", level=SEQUENCE, action=MASK, lower=None, upper=2.0),
+    CorrectionSpec("icepop", "IcePop", level=TOKEN, action=MASK, lower=0.5, upper=5.0),
 )
 
 

@@ -48,6 +48,7 @@ class Knobs:
 class ObjectiveSpec:
     """One objective. Traits (all required):
 
+    label: the objective's name in tables and figures; arm presets (moe_lab/launch/compose.py) build theirs on it.
     ppo_clip: a clipped surrogate on a token or sequence ratio; dual clip allowed; the algorithms the
       clipped-surrogate properties and the golden file hold for.
     clip_low_unbounded: clip_low may reach 1 and beyond (no ratio lower bound, a log-space clip, or a
@@ -59,6 +60,7 @@ class ObjectiveSpec:
     """
 
     name: str
+    label: str  # how tables, legends and arm presets name it (the paper's spelling)
     paper_clip: tuple[float, float]  # the default (clip_low, clip_high) when the config leaves them None
     ppo_clip: bool
     clip_low_unbounded: bool
@@ -92,38 +94,38 @@ _DPPO_KNOBS = Knobs("dppo", (
 _DPPO = dict(ppo_clip=False, clip_low_unbounded=True, token_clip=False, sequence_level=False, knobs=_DPPO_KNOBS)
 
 _ROWS = (
-    ObjectiveSpec("grpo", _GRPO_CLIP, **_PPO, token_clip=True),
-    ObjectiveSpec("gspo", _GSPO_CLIP, **_PPO, token_clip=False),
-    ObjectiveSpec("gspo_token", _GSPO_CLIP, **_PPO, token_clip=False),
-    ObjectiveSpec("gspo_unnormalized", _GSPO_CLIP, **_PPO, token_clip=False),
+    ObjectiveSpec("grpo", "GRPO", _GRPO_CLIP, **_PPO, token_clip=True),
+    ObjectiveSpec("gspo", "GSPO", _GSPO_CLIP, **_PPO, token_clip=False),
+    ObjectiveSpec("gspo_token", "GSPO-token", _GSPO_CLIP, **_PPO, token_clip=False),
+    ObjectiveSpec("gspo_unnormalized", "GSPO (no 1/|y|)", _GSPO_CLIP, **_PPO, token_clip=False),
     # SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
-    ObjectiveSpec("sapo", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=True,
+    ObjectiveSpec("sapo", "SAPO", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=True,
                   sequence_level=False, knobs=Knobs("sapo", (
                       Knob("tau_pos", 1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0),
                       Knob("tau_neg", 1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)",
                            gt=0.0)))),
     # CISPO: no lower bound on its IS weight (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper
     # publishing none.
-    ObjectiveSpec("cispo", (1.0, 0.28), ppo_clip=False, clip_low_unbounded=True, token_clip=True,
+    ObjectiveSpec("cispo", "CISPO", (1.0, 0.28), ppo_clip=False, clip_low_unbounded=True, token_clip=True,
                   sequence_level=False),
     # GMPO/RSPO: +-0.4 on the LOG ratio, clipped inside a geometric mean.
-    ObjectiveSpec("gmpo", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
+    ObjectiveSpec("gmpo", "GMPO", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
                   sequence_level=True),
     # RSPO (arXiv:2510.23027) floors gamma so a token whose old experts moved is down-weighted, never
     # dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
     # our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
-    ObjectiveSpec("rspo", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
+    ObjectiveSpec("rspo", "RSPO", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
                   sequence_level=True, knobs=Knobs("rspo", (
                       Knob("floor", 0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma "
                                          "but gives no value we could read; 0.5 is ours)", gt=0.0, le=1.0),))),
-    ObjectiveSpec("dppo_tv", (0.15, 0.15), **_DPPO),
-    ObjectiveSpec("dppo_kl", (0.05, 0.05), **_DPPO),
+    ObjectiveSpec("dppo_tv", "DPPO-TV", (0.15, 0.15), **_DPPO),
+    ObjectiveSpec("dppo_kl", "DPPO-KL", (0.05, 0.05), **_DPPO),
     # LUSPO (arXiv:2602.05261) is GSPO with a length factor: GSPO's range.
-    ObjectiveSpec("luspo", _GSPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
+    ObjectiveSpec("luspo", "LUSPO", _GSPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
                   sequence_level=False),
     # VESPO's kernel shape: TRL's GRPOConfig defaults (vespo_k_pos ...). k = 0 is allowed (no suppression of
     # small W); lambda = 0 would make phi grow without bound. No clip: GRPO's range for the metrics.
-    ObjectiveSpec("vespo", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
+    ObjectiveSpec("vespo", "VESPO", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
                   sequence_level=False, knobs=Knobs("vespo", (
                       Knob("k_pos", 2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0),
                       Knob("lambda_pos", 3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0),

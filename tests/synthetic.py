@@ -15,9 +15,10 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.config import dump_yaml, from_dict, load_yaml, to_dict, validate
+from moe_lab.launch.compose import compose
 
 # The main job's arms, read from the file `moe-lab reproduce` runs, so the fixtures follow it.
-PAPER_ARMS = load_yaml(str(Path(__file__).resolve().parents[1] / "experiments" / "paper.yaml"))["arms"]
+PAPER_ARMS = compose(load_yaml(str(Path(__file__).resolve().parents[1] / "experiments" / "paper.yaml")))["arms"]
 CLIP_POINTS = {"grpo": [(0.1, 0.13), (0.2, 0.27), (0.4, 0.54)], "gspo": [(1e-4, 1.3e-4), (3e-4, 4e-4), (1e-3, 1.3e-3)]}
 LR_MULTS = (1.0, 10.0, 100.0)
 

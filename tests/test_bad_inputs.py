@@ -35,7 +35,7 @@ CASES = [
     ("seeds_scalar", _exp("seeds: 3\n"), [], "seeds: expected a non-empty list"),
     ("seeds_negative", _exp("seeds: [-1]\n"), [], "seeds: expected"),
     ("seeds_bool", _exp("seeds: [true]\n"), [], "seeds: expected"),
-    ("arms_list", _exp("arms: [grpo, gspo]\n"), [], "arms: expected a mapping"),
+    ("arms_not_presets", _exp("arms: [grpo, nope]\n"), [], "arms: 'nope' is no arm preset"),
     ("arm_not_mapping", _exp("arms: {grpo: 5}\n"), [], "arms.grpo: expected a mapping"),
     ("arm_points_not_list", _exp("arms: {grpo: {_points: 3}}\n"), [], "arms.grpo._points"),
     ("base_list", _exp("base: [1, 2]\n"), [], "base: expected a mapping"),

@@ -10,6 +10,7 @@ import pytest
 
 from moe_lab.launch.catalog import builtin_names, first_sentence
 from moe_lab.cli import builtin_experiment, main, read_experiment
+from moe_lab.launch.spec import parse_experiment
 from moe_lab.config import load_yaml
 from moe_lab.launch.experiment import expand
 
@@ -107,15 +108,15 @@ def test_runtime_from_a_reference_is_the_summed_wall_time_over_two_workers(tmp_p
         (tmp_path / "x" / "runs" / run_id / "manifest.json").write_text(
             json.dumps({"status": "done", "wall_s": wall, "rows": 1, "eval_rows": 0}))
         pd.DataFrame({"step": [0]}).to_parquet(tmp_path / "x" / "runs" / run_id / "metrics.parquet")
-    got = runtime("x", {"minutes_2cores": 99}, list(walls), reference_dir=tmp_path)
+    got = runtime("x", parse_experiment({"minutes_2cores": 99}), list(walls), reference_dir=tmp_path)
     assert (got.minutes, got.source) == (180.0 / 2 / 60, "reference")
     # a run the runner would run again (its table lacks a row its manifest counts) measures nothing
     pd.DataFrame({"step": []}).to_parquet(tmp_path / "x" / "runs" / "b-s0" / "metrics.parquet")
-    assert runtime("x", {"minutes_2cores": 99}, list(walls), reference_dir=tmp_path).source == "yaml"
+    assert runtime("x", parse_experiment({"minutes_2cores": 99}), list(walls), reference_dir=tmp_path).source == "yaml"
     pd.DataFrame({"step": [0]}).to_parquet(tmp_path / "x" / "runs" / "b-s0" / "metrics.parquet")
     # a reference that is not exactly the experiment's cells says nothing about it: the YAML's field then
-    assert runtime("x", {"minutes_2cores": 99}, ["a-s0"], reference_dir=tmp_path).source == "yaml"
-    assert runtime("x", {}, ["a-s0"], reference_dir=tmp_path).source == "not measured"
+    assert runtime("x", parse_experiment({"minutes_2cores": 99}), ["a-s0"], reference_dir=tmp_path).source == "yaml"
+    assert runtime("x", parse_experiment({}), ["a-s0"], reference_dir=tmp_path).source == "not measured"
 
 
 def test_first_sentence():

@@ -16,19 +16,19 @@ TRAITS = dict(ppo_clip=False, clip_low_unbounded=False, token_clip=False, sequen
 def test_a_row_that_forgets_a_trait_is_refused(trait):
     traits = {k: v for k, v in TRAITS.items() if k != trait}
     with pytest.raises(TypeError, match=trait):
-        ObjectiveSpec("toy", (0.2, 0.2), **traits)
+        ObjectiveSpec("toy", "Toy", (0.2, 0.2), **traits)
     with pytest.raises(TypeError, match="trait"):  # a trait is True or False, not a truthy stand-in
-        ObjectiveSpec("toy", (0.2, 0.2), **{**TRAITS, trait: 1})
+        ObjectiveSpec("toy", "Toy", (0.2, 0.2), **{**TRAITS, trait: 1})
 
 
 def test_a_paper_clip_out_of_range_is_refused():
     with pytest.raises(ValueError, match="paper_clip"):
-        ObjectiveSpec("toy", (1.0, 0.2), **TRAITS)  # clip_low 1 needs clip_low_unbounded
-    ObjectiveSpec("toy", (1.0, 0.2), **{**TRAITS, "clip_low_unbounded": True})
+        ObjectiveSpec("toy", "Toy", (1.0, 0.2), **TRAITS)  # clip_low 1 needs clip_low_unbounded
+    ObjectiveSpec("toy", "Toy", (1.0, 0.2), **{**TRAITS, "clip_low_unbounded": True})
 
 
 def test_registry_needs_one_function_per_row():
-    specs = spec_table((ObjectiveSpec("toy", (0.2, 0.2), **TRAITS), ObjectiveSpec("toy2", (0.2, 0.2), **TRAITS)))
+    specs = spec_table((ObjectiveSpec("toy", "Toy", (0.2, 0.2), **TRAITS), ObjectiveSpec("toy2", "Toy 2", (0.2, 0.2), **TRAITS)))
     registry = ObjectiveRegistry(specs)
     with pytest.raises(ValueError, match="no row"):
         registry.register("not_a_row")
@@ -42,14 +42,14 @@ def test_registry_needs_one_function_per_row():
 
 
 def test_spec_table_refuses_a_repeated_name_or_a_knob_field_declared_twice():
-    row = ObjectiveSpec("toy", (0.2, 0.2), **TRAITS)
+    row = ObjectiveSpec("toy", "Toy", (0.2, 0.2), **TRAITS)
     with pytest.raises(ValueError, match="twice"):
         spec_table((row, row))
     knobs = Knobs("toy", (Knob("tau", 1.0, "help", gt=0.0),))
     again = Knobs("toy", (Knob("tau", 2.0, "other help", gt=0.0),))
     with pytest.raises(ValueError, match="toy_tau"):
-        spec_table((ObjectiveSpec("a", (0.2, 0.2), **TRAITS, knobs=knobs),
-                    ObjectiveSpec("b", (0.2, 0.2), **TRAITS, knobs=again)))
+        spec_table((ObjectiveSpec("a", "Toy A", (0.2, 0.2), **TRAITS, knobs=knobs),
+                    ObjectiveSpec("b", "Toy B", (0.2, 0.2), **TRAITS, knobs=again)))
 
 
 def test_constants_registry_and_config_follow_the_rows():

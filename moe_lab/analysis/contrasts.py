@@ -26,7 +26,8 @@ import pandas as pd
 from moe_lab.analysis.endpoints import format_p, load_comparison
 from moe_lab.analysis.stats import (block_cells, block_diffs, cold_start_level, combination_cells, conditional, holm,
                                     permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
-from moe_lab.launch.design import Contrast, contrasts_spec
+from moe_lab.launch.design import Contrast
+from moe_lab.launch.spec import parse_experiment
 from moe_lab.rl.run_folder import as_results
 
 
@@ -91,8 +92,7 @@ def load_declared(results, column: str = "primary", per_run: pd.DataFrame | None
     """The declared contrasts of a results folder (its experiment.yaml's ``contrasts:``), on ``column``; an
     empty frame when the file declares none. ``per_run``: the folder's endpoints when the caller has them
     (``load_comparison``), so the runs are not read twice."""
-    exp = as_results(results).experiment()
-    contrasts = contrasts_spec(exp) if exp else []
+    contrasts = list(parse_experiment(as_results(results).experiment()).contrasts)
     if not contrasts:
         return pd.DataFrame()
     if per_run is None:

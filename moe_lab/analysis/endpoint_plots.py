@@ -23,7 +23,8 @@ from matplotlib.transforms import blended_transform_factory
 from moe_lab.analysis import endpoints, results
 from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_order, band, figure_legend, new_figure,
                                     styled)
-from moe_lab.launch.experiment import EndpointSpec, endpoint_spec
+from moe_lab.launch.experiment import EndpointSpec
+from moe_lab.launch.spec import parse_experiment
 from moe_lab.rl.run_folder import ResultsFolder, as_results
 from moe_lab.rl.runlog import FINISHED
 
@@ -147,7 +148,7 @@ def load_folder(folder: str | Path | ResultsFolder) -> tuple[EndpointSpec, pd.Da
     """(spec, metrics, evals) of an experiment folder; the spec from its experiment.yaml (the one it ran)."""
     folder = as_results(folder)
     metrics, evals = results.load_runs(folder.path)
-    return endpoint_spec(folder.experiment()), metrics, evals
+    return parse_experiment(folder.experiment()).endpoints, metrics, evals
 
 
 def _row_label(group: str, r) -> str:

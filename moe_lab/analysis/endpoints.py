@@ -31,8 +31,8 @@ import pandas as pd
 
 from moe_lab.analysis.stats import mean_ci, permutation_p, welch_diff_ci
 from moe_lab.config import ConfigError
-from moe_lab.launch.design import blocks_spec
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
+from moe_lab.launch.spec import parse_experiment
 from moe_lab.rl.run_folder import ResultsFolder, as_results
 from moe_lab.rl.runlog import FINISHED
 
@@ -141,8 +141,8 @@ def load_comparison(results: str | Path | ResultsFolder, baseline: str | None = 
     folder = as_results(results)
     if not folder.path.is_dir():
         raise ConfigError(f"RESULTS_DIR={folder.path}: no such folder")
-    exp = folder.experiment()
-    spec, blocks = endpoint_spec(exp), blocks_spec(exp)
+    exp = parse_experiment(folder.experiment())
+    spec, blocks = exp.endpoints, exp.blocks
     metrics, evals = load_runs(folder.path)
     if not len(evals):
         raise ConfigError(f"RESULTS_DIR={folder.path}: no finished runs with evaluations")

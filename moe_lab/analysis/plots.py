@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from moe_lab.analysis import results
+from moe_lab.launch.compose import preset_label
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
 ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r2w": "#8F5F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",
@@ -27,11 +28,9 @@ ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r2w": "#8F5F00", "g
               # the stabilizers: Okabe-Ito runs out at 8, so these take darker/lighter tones of its hues
               "sapo": "#00704F", "cispo": "#7F5200", "gmpo": "#004C7F", "rspo": "#5A2D7F",
               "grpo_icepop": "#8C8C8C", "grpo_tis": "#B8A000"}
-ARM_LABELS = {"grpo": "GRPO", "grpo_r2": "GRPO + R2 replay", "grpo_r3": "GRPO + R3 replay", "gspo": "GSPO",
-              "grpo_r2w": "GRPO + R2 replay + gate weights",
-              "gspo_token": "GSPO-token", "gspo_r2": "GSPO + R2 replay", "gspo_unnormalized": "GSPO (no 1/|y|)",
-              "sapo": "SAPO", "cispo": "CISPO", "gmpo": "GMPO", "rspo": "RSPO", "grpo_icepop": "GRPO + IcePop",
-              "grpo_tis": "GRPO + TIS"}
+# Labels of the arms that are no preset (a preset's label is built from the objective and mode tables:
+# launch/compose.py).
+ARM_LABELS = {"grpo_r2w": "GRPO + R2 replay + gate weights"}
 PAPER_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_token")
 STYLE = {"axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
          "font.size": 9, "axes.titlesize": 9, "legend.fontsize": 7, "legend.frameon": False, "lines.linewidth": 1.5}
@@ -61,7 +60,7 @@ def arm_color(arm: str) -> str:
 def arm_label(arm: str, wrap: bool = False) -> str:
     """'GRPO', or 'GRPO (clip_low=0.1, clip_high=0.13)' for a sweep arm (second line with wrap=True)."""
     base, _, sweep = str(arm).partition("__")
-    label = ARM_LABELS.get(base, base)
+    label = preset_label(base) or ARM_LABELS.get(base, base)
     if not sweep:
         return label
     points = ", ".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, _, value in

@@ -16,8 +16,7 @@ import yaml
 
 from moe_lab.analysis.tables import flatten
 from moe_lab.config import ConfigError, dump_yaml
-from moe_lab.launch.design import blocks_spec
-from moe_lab.launch.experiment import expand
+from moe_lab.launch.spec import Experiment
 from moe_lab.rl.run_folder import ResultsFolder, first_segments
 
 
@@ -30,16 +29,16 @@ def inline(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10_000).strip()
 
 
-def question(exp: dict | None) -> list[str]:
-    text = " ".join(str((exp or {}).get("description") or "").split())
+def question(exp: Experiment) -> list[str]:
+    text = " ".join(str(exp.description or "").split())
     return ["## Question", "", text or "The experiment file states no question (no `description:`)."]
 
 
-def _overrides(folder: ResultsFolder, exp: dict) -> dict:
+def _overrides(folder: ResultsFolder, exp: Experiment) -> dict:
     """Dotted fields where every finished run's config differs from the experiment's expansion, with the value
     they all share (a command-line override, or a default changed since the runs); {} when none or unknown."""
     try:
-        cells = {c.run_id: flatten(yaml.safe_load(dump_yaml(c.config))) for c in expand(exp)}
+        cells = {c.run_id: flatten(yaml.safe_load(dump_yaml(c.config))) for c in exp.cells()}
     except ConfigError:
         return {}
     common = None
@@ -52,28 +51,28 @@ def _overrides(folder: ResultsFolder, exp: dict) -> dict:
     return dict(sorted((common or {}).items()))
 
 
-def design(folder: ResultsFolder, exp: dict | None, n_runs: int, where: str) -> list[str]:
+def design(folder: ResultsFolder, exp: Experiment, n_runs: int, where: str) -> list[str]:
     """Organism, schedule, arms, cold starts or seeds, the command (``where``: the folder as the page names it)."""
-    if not exp:
+    if not exp.explicit:
         return ["## Design", "", f"No experiment.yaml in this folder: {n_runs} runs, their design unknown here."]
-    base = exp.get("base") or {}
+    base = exp.base
     lines = ["## Design", "",
              f"- organism: `model: {inline(base.get('model') or {})}`, `task: {inline(base.get('task') or {})}`"
              + (f", `coldstart: {inline(base['coldstart'])}`" if base.get("coldstart") else ""),
              f"- RL: `rl: {inline(base.get('rl') or {})}` (other fields at their defaults)"]
     for key in ("sweep", "factors"):
-        if exp.get(key):
-            lines.append(f"- {key}: `{inline(exp[key])}`")
-    blocks = blocks_spec(exp)
+        if exp.setting(key):
+            lines.append(f"- {key}: `{inline(exp.setting(key))}`")
+    blocks = exp.blocks
     if blocks:
         lines.append(f"- cold starts: {len(blocks.seeds)} values of `{blocks.field}` "
                      f"({', '.join(map(str, blocks.seeds))}), RL seeds of their own: `{inline(blocks.seeds)}`")
     else:
-        lines.append(f"- seeds: `{inline(exp.get('seeds') or [0])}` (one cold start per model config)")
+        lines.append(f"- seeds: `{inline(exp.setting('seeds') or [0])}` (one cold start per model config)")
     lines += ["", "| arm | overrides of base |", "|---|---|"]
-    lines += [f"| {arm} | `{inline(spec or {})}` |" for arm, spec in (exp.get("arms") or {}).items()]
+    lines += [f"| {arm} | `{inline(spec or {})}` |" for arm, spec in exp.arms.items()]
     over = _overrides(folder, exp)
-    command = f"moe-lab run {exp.get('name') or folder.path.name} --out {where}"
+    command = f"moe-lab run {exp.name or folder.path.name} --out {where}"
     command += "".join(f" {k}={v}" for k, v in over.items())
     lines += ["", f"Command: `{command}`" + (" (the fields after the folder are where every run's config differs "
                                              "from the experiment file's expansion at today's code)" if over else "")
@@ -89,13 +88,13 @@ def _git(root: Path, *args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def file_committed(folder: ResultsFolder, exp: dict | None) -> str:
+def file_committed(folder: ResultsFolder, exp: Experiment) -> str:
     """When the experiment file (experiments/<name>.yaml, else the folder's experiment.yaml) was first committed:
     its adding commit and date from git log; "unknown" without git or without such a file in the history."""
     root = _git(folder.path, "rev-parse", "--show-toplevel")
     if root is None:
         return "unknown (no git checkout)"
-    name = (exp or {}).get("name")
+    name = exp.name
     candidates = [Path(root) / "experiments" / f"{name}.yaml"] if name else []
     for path in [*candidates, folder.experiment_path.resolve()]:
         log = _git(Path(root), "log", "--diff-filter=A", "--format=%h %ct", "--", str(path))
@@ -105,7 +104,7 @@ def file_committed(folder: ResultsFolder, exp: dict | None) -> str:
     return "unknown (not in the git history)"
 
 
-def provenance(folder: ResultsFolder, exp: dict | None) -> list[str]:
+def provenance(folder: ResultsFolder, exp: Experiment) -> list[str]:
     """Code commits, when the first run started and the last ended, when the experiment file was committed."""
     commits, starts, inferred, ends = collections.Counter(), [], [], []
     for run in folder.run_folders(with_manifest=True):

@@ -35,6 +35,7 @@ import pandas as pd
 from moe_lab.config import ConfigError, from_dict, set_dotted, validate
 from moe_lab.constants import MACHINE_ENV
 from moe_lab.audit import verdicts
+from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.rl.run_folder import ResultsFolder, RunFolder
 from moe_lab.rl.runlog import FINISHED
 
@@ -181,7 +182,7 @@ def _whole(ref: RefRun, steps: int | None) -> bool:
     return steps is None or steps >= ref.steps
 
 
-def cell_verdict(ref: RefRun, new_dir: Path, steps: int | None, runs: list[RefRun], exp: dict) -> tuple[str, bool]:
+def cell_verdict(ref: RefRun, new_dir: Path, steps: int | None, runs: list[RefRun], exp: Experiment) -> tuple[str, bool]:
     """(one verdict line, whether it counts against the machine: different bits on the same machine)."""
     whole = _whole(ref, steps)
     cut = None if whole else steps
@@ -205,19 +206,19 @@ def cell_verdict(ref: RefRun, new_dir: Path, steps: int | None, runs: list[RefRu
     return f"{ref.run_id}: different ({span}): " + "; ".join(parts), state == "same"
 
 
-def _endpoint(ref: RefRun, new_dir: Path, runs: list[RefRun], exp: dict) -> str:
+def _endpoint(ref: RefRun, new_dir: Path, runs: list[RefRun], exp: Experiment) -> str:
     """The re-run's primary endpoint against the min..max over the reference's seeds of its arm."""
-    from moe_lab.analysis.endpoints import endpoint_spec, run_endpoints
+    from moe_lab.analysis.endpoints import run_endpoints
     from moe_lab.analysis.tables import load_runs
 
-    spec = endpoint_spec(exp)
+    spec = exp.endpoints
     ref_ep = run_endpoints(*load_runs([r.run_dir for r in runs if r.arm == ref.arm]), spec)
     new_ep = run_endpoints(*load_runs(new_dir), spec)
     value = float(new_ep["primary"].iloc[0]) if len(new_ep) else float("nan")
     return verdicts.endpoint_text(value, [float(v) for v in ref_ep.get("primary", [])], ref.arm, spec.primary_metric)
 
 
-def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[RefRun], list[RefRun], int | None, dict]:
+def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[RefRun], list[RefRun], int | None, Experiment]:
     """Every input checked before any work: (all reference runs, chosen cells, steps or None, experiment)."""
     n_cells = parse_count(cells, "--cells", DEFAULT_CELLS)
     n_steps = parse_count(steps, "--steps", DEFAULT_STEPS)
@@ -225,11 +226,7 @@ def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[Ref
     chosen = choose_cells(runs, n_cells)
     for ref in chosen:
         _runnable_here(ref)
-    exp = ResultsFolder(folder).experiment() or {}
-    if n_steps is None or any(_whole(ref, n_steps) for ref in chosen):
-        from moe_lab.analysis.endpoints import endpoint_spec
-
-        endpoint_spec(exp)  # a whole cell's verdict reads the endpoints: a bad block is bad input, now
+    exp = parse_experiment(ResultsFolder(folder).experiment())  # a bad block is bad input, now
     return runs, chosen, n_steps, exp
 
 
@@ -247,7 +244,7 @@ def _runnable_here(ref: RefRun) -> None:
         raise ConfigError(f"{RunFolder(ref.run_dir).config_path}: cannot re-run here: {exc}") from None
 
 
-def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: dict, echo=print) -> int:
+def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: Experiment, echo=print) -> int:
     """Re-run each chosen cell, echo one verdict line per cell; the exit code (module docstring)."""
     failed = False
     with tempfile.TemporaryDirectory(prefix="moe_lab_verify_") as tmp:

@@ -66,5 +66,5 @@ def interim_note(results) -> str | None:
     finished = sum(c.state == "finished" for c in cells)
     if finished == len(cells):
         return None
-    return (f"moe-lab: note: interim: {finished} of {len(cells)} runs of {exp.get('name') or results.path.name} "
+    return (f"moe-lab: note: interim: {finished} of {len(cells)} runs of {exp.name or results.path.name} "
             f"finished; an analysis fixed before the runs is the one after the last (moe-lab progress {results.path})")

@@ -19,9 +19,13 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_lab.config import load_yaml
 from moe_lab.rl.run_folder import ResultsFolder
+
+if TYPE_CHECKING:
+    from moe_lab.launch.spec import Experiment
 
 BUILTIN = "moe_lab.experiments"
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "reference"
@@ -73,12 +77,12 @@ def reference_minutes(run_ids: list[str], folder: Path) -> float | None:
     return sum(walls) / WORKERS_2CORES / 60.0
 
 
-def runtime(name: str, exp: dict, run_ids: list[str], reference_dir: Path = REFERENCE_DIR) -> Runtime:
+def runtime(name: str, exp: Experiment, run_ids: list[str], reference_dir: Path = REFERENCE_DIR) -> Runtime:
     minutes = reference_minutes(run_ids, Path(reference_dir) / name)
     if minutes is not None:
         return Runtime(minutes, "reference", f"results/reference/{name}: sum of runs' wall_s / {WORKERS_2CORES}")
-    if exp.get("minutes_2cores") is not None:
-        return Runtime(float(exp["minutes_2cores"]), "yaml", f"experiments/{name}.yaml minutes_2cores")
+    if exp.minutes_2cores is not None:
+        return Runtime(exp.minutes_2cores, "yaml", f"experiments/{name}.yaml minutes_2cores")
     return Runtime(None, "not measured")
 
 
@@ -92,18 +96,18 @@ class Entry:
 
 def catalog(reference_dir: Path = REFERENCE_DIR) -> list[Entry]:
     """One entry per built-in experiment, in name order."""
-    from moe_lab.launch.experiment import expand
+    from moe_lab.launch.spec import parse_experiment
 
     entries = []
     for name in builtin_names():
         try:
-            exp = load_yaml(str(resources.files(BUILTIN).joinpath(f"{name}.yaml")))
-            run_ids = [c.run_id for c in expand(exp)]
+            exp = parse_experiment(load_yaml(str(resources.files(BUILTIN).joinpath(f"{name}.yaml"))))
+            run_ids = [c.run_id for c in exp.cells()]
         except ValueError as exc:  # one broken file must not hide the others: listed with its error
             entries.append(Entry(name, None, Runtime(None, "not measured"), f"invalid: {' '.join(str(exc).split())}"))
             continue
         entries.append(Entry(name, len(run_ids), runtime(name, exp, run_ids, reference_dir),
-                             first_sentence(exp.get("description"))))
+                             first_sentence(exp.description)))
     return entries
 
 

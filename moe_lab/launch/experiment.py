@@ -4,9 +4,10 @@ An experiment YAML::
 
     name: paper
     description: ...
+    organism: rescue                   # optional: experiments/organisms/rescue.yaml under base (launch/compose.py)
     base: {rl: {steps: 40}}            # RunConfig fields shared by every cell
-    arms:                              # arm name -> overrides of base
-      grpo: {rl: {algo: grpo}}
+    arms:                              # arm name -> overrides of base (or a list of arm presets:
+      grpo: {rl: {algo: grpo}}         #   arms: [grpo, gspo_r3], launch/compose.py)
       gspo: {rl: {algo: gspo}}
     sweep: {rl.router_lr_mult: [1, 10]}  # optional: every arm x every point (cartesian)
     seeds: [0, 1, 2]
@@ -43,9 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, set_dotted, validate
+from moe_lab.launch.compose import compose, merge
 from moe_lab.launch.design import blocks_spec, contrasts_spec, describe_spec, verdict_of
 
-TOP_KEYS = ("name", "description", "base", "arms", "sweep", "factors", "seeds", "blocks", "minutes_2cores",
+TOP_KEYS = ("name", "description", "organism", "base", "arms", "sweep", "factors", "seeds", "blocks", "minutes_2cores",
             "endpoints", "contrasts", "describe", "verdict")
 BASE_LABEL = "base"
 
@@ -97,13 +99,6 @@ def endpoint_spec(exp: dict | None) -> EndpointSpec:
     return spec
 
 
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def _fmt(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -147,7 +142,8 @@ def check_shape(exp: Any) -> None:
     if arms is not None:
         if not isinstance(arms, dict):
             raise ConfigError(f"arms: expected a mapping of arm name -> overrides (e.g. arms: {{grpo: {{rl: "
-                              f"{{algo: grpo}}}}}}), got {type(arms).__name__}")
+                              f"{{algo: grpo}}}}}}) or a list of arm presets (arms: [grpo, grpo_r3]), got "
+                              f"{type(arms).__name__}")
         for name, spec in arms.items():
             if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
                 raise ConfigError(f"arms: arm name {name!r}: allowed a non-empty string without '/' or a leading '.'")
@@ -203,7 +199,9 @@ def _factor_points(exp: dict) -> list[tuple[str, dict[str, Any]]]:
 
 def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = None,
            seeds: list[int] | None = None) -> list[Cell]:
-    """All cells of an experiment, validated; command-line overrides apply to every cell, last."""
+    """All cells of an experiment (its organism and arm presets composed first: launch/compose.py), validated;
+    command-line overrides apply to every cell, last."""
+    exp = compose(exp)
     check_shape(exp)
     if seeds is not None and not (seeds and all(map(_is_seed, seeds))):
         raise ConfigError(f"--seeds: expected integers >= 0, got {seeds!r}")
@@ -226,9 +224,9 @@ def expand(exp: dict, *, overrides: list[str] = (), arms: list[str] | None = Non
         if exp.get("factors") is not None:
             labelled = [(f"__{label}", {**p, **q}) for p in arm_points for label, q in _factor_points(exp)]
         else:
-            labelled = [(_label(pt), pt) for pt in (_merge(p, q) for p in arm_points for q in _points(exp.get("sweep")))]
+            labelled = [(_label(pt), pt) for pt in (merge(p, q) for p in arm_points for q in _points(exp.get("sweep")))]
         for label, point in labelled:
-            data = apply_overrides(_merge(exp.get("base") or {}, arm_spec), [])
+            data = apply_overrides(merge(exp.get("base") or {}, arm_spec), [])
             for key, value in point.items():
                 set_dotted(data, key, value)
             arm_name = arm + label

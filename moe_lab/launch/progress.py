@@ -21,8 +21,8 @@ from pathlib import Path
 
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.coldstart_origin import mixed_notes
-from moe_lab.launch.design import blocks_spec
-from moe_lab.launch.experiment import Cell, expand
+from moe_lab.launch.experiment import Cell
+from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.rl.run_folder import CONFLICT, DONE, UNVERIFIED, ResultsFolder, RunFolder, as_results
 from moe_lab.rl.runlog import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 
@@ -79,16 +79,17 @@ def cell_progress(cell: Cell, run_dir: Path, block: object) -> CellProgress:
                         float(folder.manifest.get("wall_s", 0.0)), pid)
 
 
-def collect(results: Path | ResultsFolder) -> tuple[dict, list[CellProgress]]:
+def collect(results: Path | ResultsFolder) -> tuple[Experiment, list[CellProgress]]:
     """(the experiment, one CellProgress per cell in running order); ConfigError names a bad folder."""
     folder = as_results(results)
     exp = folder.experiment()
     if exp is None:
         raise ConfigError(f"RESULTS_DIR={folder.path}: no {folder.experiment_path.name} (not an output folder of "
                           "`moe-lab run`)")
-    blocks = blocks_spec(exp)
+    exp = parse_experiment(exp)
+    blocks = exp.blocks
     block_of = {s: v for v, seeds in blocks.seeds.items() for s in seeds} if blocks else {}
-    cells = expand(exp)
+    cells = exp.cells()
     return exp, [cell_progress(c, folder.run(c.run_id).path, block_of.get(c.seed)) for c in cells]
 
 
@@ -121,15 +122,15 @@ def _grid(cells: list[CellProgress]) -> list[str]:
     return lines
 
 
-def report(results: Path, exp: dict, cells: list[CellProgress], jobs: int | None) -> list[str]:
+def report(results: Path, exp: Experiment, cells: list[CellProgress], jobs: int | None) -> list[str]:
     counts = {s: sum(c.state == s for c in cells) for s in STATES}
     live = sorted(c.pid for c in cells if c.state == "running")
-    name = exp.get("name") or results.name
+    name = exp.name or results.name
     lines = [f"{name}: {len(cells)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n or s == "finished")]
     if live:
         lines.append("running now (pid): " + ", ".join(f"{c.run_id} ({c.pid}, step {c.steps_done}/{c.steps})"
                                                          for c in cells if c.state == "running"))
-    blocks = blocks_spec(exp)
+    blocks = exp.blocks
     lines.append("finished per arm" + (f" and {blocks.field}" if blocks else "") + ":")
     lines += ["  " + line for line in _grid(cells)]
     for c in cells:

@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from moe_lab.config import ConfigError, dump_yaml
-from moe_lab.launch.experiment import Cell, expand
+from moe_lab.launch.experiment import Cell
+from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.launch.coldstart_origin import warmed_here_notes
 from moe_lab.rl.run_folder import CELL_STATES, CONFLICT, DONE, NEW, RESUME, ResultsFolder, RunFolder
 from moe_lab.rl.runlog import FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock
@@ -235,16 +236,16 @@ def _experiment_id(exp: dict) -> str:
     return str(exp.get("name") or yaml.safe_dump(exp, sort_keys=True))
 
 
-def check_same_experiment(exp: dict, out: Path, *, overwrite: bool) -> bool:
+def check_same_experiment(exp: Experiment, out: Path, *, overwrite: bool) -> bool:
     """True when out holds another experiment and --overwrite replaces its runs; refuses without it."""
     old = ResultsFolder(out).experiment()
     if old is None:
         return False
-    if _experiment_id(old) == _experiment_id(exp):
+    if _experiment_id(old) == _experiment_id(exp.explicit):
         return False
     if not overwrite:
         raise ConfigError(f"--out: {out} holds experiment {old.get('name', '(unnamed)')!r}, not "
-                          f"{exp.get('name', '(unnamed)')!r}; its summary would mix both: choose another --out "
+                          f"{exp.name or '(unnamed)'!r}; its summary would mix both: choose another --out "
                           "or pass --overwrite to replace its runs")
     return True
 
@@ -286,7 +287,7 @@ def seed_major(cells: list[Cell]) -> list[Cell]:
     return sorted(cells, key=lambda c: first[c.seed])
 
 
-def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: list[str] = (),
+def run_experiment(exp: dict | Experiment, out: Path, *, jobs: int | None = None, overrides: list[str] = (),
                    arms: list[str] | None = None, seeds: list[int] | None = None, overwrite: bool = False,
                    progress: bool = True, echo=print, report_to: str | None = None, backend=None) -> dict[str, str]:
     """Run all cells; returns run_id -> status. Every input is validated before anything is written.
@@ -303,7 +304,8 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
         from moe_lab.launch.tracking import check_report_to
 
         check_report_to(report_to)
-    cells = expand(exp, overrides=overrides, arms=arms, seeds=seeds)
+    exp = parse_experiment(exp)  # parsed once; its explicit form is what the results folder keeps
+    cells = exp.cells(overrides=overrides, arms=arms, seeds=seeds)
     quiet_transformers()
     _preflight(cells)
     out = Path(out)
@@ -315,7 +317,7 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
         NEW: list(cells), DONE: [], RESUME: []}
     if replace_other:
         shutil.rmtree(runs_dir, ignore_errors=True)
-    results.write_experiment(exp)
+    results.write_experiment(exp.explicit)
     todo = seed_major(groups[RESUME] + groups[NEW])
     jobs = jobs or default_jobs(max(c.config.threads for c in cells))
     where = f"{jobs} worker(s)" if backend is None else backend.describe()
@@ -332,5 +334,5 @@ def run_experiment(exp: dict, out: Path, *, jobs: int | None = None, overrides: 
     if report_to is not None:
         from moe_lab.launch.tracking import mirror_runs
 
-        mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to, group=exp.get("name"))
+        mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to, group=exp.name)
     return statuses
