@@ -149,3 +149,15 @@ def test_a_folder_holding_another_config_is_not_counted_as_this_experiments_run(
     (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("steps: 20", "steps: 30"))
     _, cells = collect(results)
     assert next(c for c in cells if c.run_id == "grpo-s10").state == "other config"
+
+
+def test_report_of_a_declared_experiment_part_way_shows_no_outcome(results):
+    # An analysis fixed before the runs is the one after the last run: while cells are unfinished, the page of an
+    # experiment with declared contrasts gives its design and how far it has got, no endpoint, contrast or collapse.
+    from moe_lab.analysis.report import build
+
+    exp = {**EXP, "contrasts": {"primary": [{"arm": "gspo", "vs": "grpo"}]}}
+    (results / "experiment.yaml").write_text(yaml.safe_dump(exp), encoding="utf-8")
+    text = build(results, figures=False, shown_as="res").text
+    assert "Interim: 2 of 8 runs finished (`moe-lab progress res`)" in text
+    assert "## Design" in text and not any(h in text for h in ("## Endpoints", "## Declared", "## Collapses"))

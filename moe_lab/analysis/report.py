@@ -22,6 +22,7 @@ from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import endpoints_head, format_arms, format_pairs, load_comparison
 from moe_lab.analysis.stats import detectable_difference
 from moe_lab.config import ConfigError
+from moe_lab.launch.progress import finished_of
 from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.rl.run_folder import ResultsFolder
 
@@ -107,6 +108,20 @@ def _figures(metrics, evals, spec, tables, describe) -> dict[str, Figure]:
     return figures
 
 
+def _interim(folder: ResultsFolder, exp: Experiment, where: str) -> list[str]:
+    """The page's results in place of the outcomes while an experiment with declared contrasts has runs not yet
+    finished: an analysis fixed before the runs is the one after the last run, so no endpoint, contrast, collapse
+    count or descriptive table is shown before it ([] when finished, or when nothing was declared: an
+    exploration shows what it has)."""
+    counted = finished_of(folder) if exp.contrasts else None
+    if counted is None or counted[1] == counted[2]:
+        return []
+    _, finished, total = counted
+    return [f"Interim: {finished} of {total} runs finished (`moe-lab progress {where}`). The endpoints, the declared "
+            "contrasts, the collapse counts and the descriptive tables are generated once the last run has "
+            "finished: the analysis fixed before the runs is the one after the last run."]
+
+
 def build(results: str | Path | ResultsFolder, figures: bool = True, shown_as: str | None = None) -> Report:
     """The report of a results folder; ``shown_as``: the folder's name in the page (default: its path)."""
     from moe_lab.analysis.tables import load_runs
@@ -122,6 +137,10 @@ def build(results: str | Path | ResultsFolder, figures: bool = True, shown_as: s
         return Report("\n".join([*head, *report_design.design(folder, exp, 0, where), "",
                                  *report_design.provenance(folder, exp), "", "## Results", "",
                                  "No runs in this folder: nothing was measured here."]) + "\n")
+    blind = _interim(folder, exp, where)
+    if blind:  # a confirmatory design part-way: its design and how far it has got, no outcome
+        return Report("\n".join([*head, *report_design.design(folder, exp, n_runs, where), "",
+                                 *report_design.provenance(folder, exp), "", "## Results", "", *blind]) + "\n")
     spec, per_run, arms, pairs = load_comparison(folder)
     describe, verdict = exp.describe, exp.verdict
     metrics, evals = load_runs(folder.path)

@@ -55,16 +55,13 @@ def interim_note(results) -> str | None:
     """A line when the folder's experiment (``results``: a path or a run_folder.ResultsFolder) has cells not yet
     finished (never started ones included, which the tables cannot see): an analysis fixed before the runs is the
     one after the last run, not this one."""
-    from moe_lab.launch.progress import collect
+    from moe_lab.launch.progress import finished_of
     from moe_lab.rl.run_folder import as_results
 
     results = as_results(results)
-    try:
-        exp, cells = collect(results)
-    except ConfigError:  # a folder without the runner's experiment.yaml: nothing to count against
+    counted = finished_of(results)
+    if counted is None or counted[1] == counted[2]:
         return None
-    finished = sum(c.state == "finished" for c in cells)
-    if finished == len(cells):
-        return None
-    return (f"moe-lab: note: interim: {finished} of {len(cells)} runs of {exp.name or results.path.name} "
+    exp, finished, total = counted
+    return (f"moe-lab: note: interim: {finished} of {total} runs of {exp.name or results.path.name} "
             f"finished; an analysis fixed before the runs is the one after the last (moe-lab progress {results.path})")

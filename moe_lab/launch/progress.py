@@ -93,6 +93,16 @@ def collect(results: Path | ResultsFolder) -> tuple[Experiment, list[CellProgres
     return exp, [cell_progress(c, folder.run(c.run_id).path, block_of.get(c.seed)) for c in cells]
 
 
+def finished_of(results: Path | ResultsFolder) -> tuple[Experiment, int, int] | None:
+    """(the experiment, runs finished, runs in all: never-started cells included, which the tables cannot see),
+    or None for a folder without the runner's experiment.yaml (nothing to count against)."""
+    try:
+        exp, cells = collect(results)
+    except ConfigError:
+        return None
+    return exp, sum(c.state == "finished" for c in cells), len(cells)
+
+
 def time_left(cells: list[CellProgress], jobs: int) -> tuple[float, float] | None:
     """(seconds per RL step pooled over the finished runs, hours left at ``jobs`` workers) or None before any
     run finished. Unfinished runs are counted at full length: collapsed ones stop early, so it is an upper
