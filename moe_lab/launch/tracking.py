@@ -24,11 +24,11 @@ import pandas as pd
 
 from moe_lab.config import ConfigError
 from moe_lab.rl.run_folder import RunFolder
-from moe_lab.rl.runlog import EVAL_FILE, METRICS_FILE
+from moe_lab.rl.runlog import RUN_TABLES
 
 ID_COLUMNS = ("step", "minibatch", "update", "seed")
 # table file -> the column that steps its scalars
-TABLES = {METRICS_FILE: "update", EVAL_FILE: "step"}
+TABLES = {name: x for name, (_, x) in RUN_TABLES.items()}
 # wandb: the key each table's x is logged under; the evals' apart from `step`, which wandb reserves
 WANDB_STEP_KEYS = {"update": "update", "step": "eval_step"}
 

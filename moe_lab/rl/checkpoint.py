@@ -24,13 +24,13 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_lab.rl.runlog import (EVAL_FILE, METRICS_FILE, atomic_write_bytes, atomic_write_text, fsync_path, read_rows,
+from moe_lab.rl.runlog import (RUN_TABLES, atomic_write_bytes, atomic_write_text, fsync_path, read_rows,
                                rows_digest)
 
 MARKER = "state.json"
 SNAPSHOTS = "lagged.safetensors"
 # state key -> the table file (in the run folder, the checkpoint's parent) whose first rows it counts
-TABLES = {"rows": METRICS_FILE, "eval_rows": EVAL_FILE}
+TABLES = {key: name for name, (key, _) in RUN_TABLES.items()}
 
 if TYPE_CHECKING:
     import torch

@@ -149,6 +149,12 @@ def trace(params: CollapseParams, observations: Iterable[StepObservation]) -> li
     return states
 
 
+# How each stop reason begins: run_folder reads a collapse from a manifest written before the 'collapsed' status by
+# these words, so they are written here once.
+NON_FINITE_REASON, REWARD_REASON, ENTROPY_REASON = "non-finite loss or gradient", "reward collapsed", "entropy exploded"
+STOP_REASON_PREFIXES = (NON_FINITE_REASON, REWARD_REASON, ENTROPY_REASON)
+
+
 def stop_reason(state: HealthState, obs: StepObservation, params: CollapseParams, stop_on_collapse: bool) -> str:
     """Why the run must stop after this step, or '' to go on: a hard rule always stops, a soft one only
     with stop_on_collapse."""
@@ -156,10 +162,10 @@ def stop_reason(state: HealthState, obs: StepObservation, params: CollapseParams
     if not rule or (rule in SOFT_COLLAPSE_RULES and not stop_on_collapse):
         return ""
     if rule == "non_finite":
-        return f"non-finite loss or gradient at {obs.detail}"
+        return f"{NON_FINITE_REASON} at {obs.detail}"
     if rule == "zero_reward":
-        return f"reward collapsed: exactly 0 for {ZERO_REWARD_STEPS} consecutive steps"
+        return f"{REWARD_REASON}: exactly 0 for {ZERO_REWARD_STEPS} consecutive steps"
     if rule == "reward_drop":
-        return (f"reward collapsed at step {obs.step}: moving average {state.reward_ema:.3g} below "
+        return (f"{REWARD_REASON} at step {obs.step}: moving average {state.reward_ema:.3g} below "
                 f"{params.drop:g} x its best {state.best_ema:.3g} for {params.patience} steps")
-    return f"entropy exploded at step {obs.step}: moving average {state.entropy_ema:.3g} > {params.entropy_max:g} nats"
+    return f"{ENTROPY_REASON} at step {obs.step}: moving average {state.entropy_ema:.3g} > {params.entropy_max:g} nats"

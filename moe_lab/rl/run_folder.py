@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from moe_lab.config import load_yaml
+from moe_lab.rl.health import STOP_REASON_PREFIXES
 from moe_lab.rl.runlog import (CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, FINISHED, LOCK_FILE, MANIFEST_FILE,
                                METRICS_FILE, STATUS_COLLAPSED, STATUS_DONE, STATUS_FAILED, atomic_write_text,
                                config_state, read_json)
@@ -32,9 +33,8 @@ CELL_STATES = (NEW, DONE, RESUME, CONFLICT)
 # what a reader shows for a manifest that says finished while its tables do not hold the rows the run committed (the
 # runner resumes it): never written into a manifest
 UNVERIFIED = "unverified"
-# The start of every stop reason health.stop_reason writes: how a manifest of a collapse without the
-# 'collapsed' status (status 'failed', no traceback) is told apart from a run that failed on an error.
-STOP_REASON_PREFIXES = ("non-finite loss or gradient", "reward collapsed", "entropy exploded")
+# health.stop_reason's openings tell a manifest of a collapse without the 'collapsed' status (status 'failed', no
+# traceback) apart from a run that failed on an error.
 
 
 def run_status(manifest: dict) -> str | None:

@@ -46,6 +46,9 @@ FINISHED = (STATUS_DONE, STATUS_COLLAPSED)
 # the files of a run folder (the layout above): every reader takes them from here (rl/run_folder.py)
 CONFIG_FILE, MANIFEST_FILE, METRICS_FILE, EVAL_FILE = "config.yaml", "manifest.json", "metrics.parquet", "eval.parquet"
 CHECKPOINT_DIR, LOCK_FILE = "checkpoint", ".lock"
+# each table of a run: its file -> (the manifest / checkpoint field counting its committed rows, the column that
+# steps it: a tracker's x axis)
+RUN_TABLES = {METRICS_FILE: ("rows", "update"), EVAL_FILE: ("eval_rows", "step")}
 
 
 def _umask() -> int:
