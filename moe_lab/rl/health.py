@@ -31,19 +31,30 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from moe_lab.config import RLConfig
+
 ZERO_REWARD_STEPS = 5
 HARD_COLLAPSE_RULES = ("non_finite", "zero_reward")
 SOFT_COLLAPSE_RULES = ("reward_drop", "entropy")
 COLLAPSE_RULES = (*HARD_COLLAPSE_RULES, *SOFT_COLLAPSE_RULES)
 
 
+# CollapseParams' field -> the RLConfig field it is read from; the defaults are the config's (one owner)
+CONFIG_FIELDS = {"window": "collapse_window", "drop": "collapse_drop", "patience": "collapse_patience",
+                 "min_best": "collapse_min_best", "entropy_max": "collapse_entropy_max"}
+
+
+def _config_default(name: str):
+    return RLConfig.__dataclass_fields__[CONFIG_FIELDS[name]].default
+
+
 @dataclass(frozen=True)
 class CollapseParams:
-    window: int = 10
-    drop: float = 0.5
-    patience: int = 5
-    min_best: float = 0.1
-    entropy_max: float | None = None
+    window: int = _config_default("window")
+    drop: float = _config_default("drop")
+    patience: int = _config_default("patience")
+    min_best: float = _config_default("min_best")
+    entropy_max: float | None = _config_default("entropy_max")
 
     @property
     def alpha(self) -> float:
@@ -53,10 +64,8 @@ class CollapseParams:
     def from_config(cls, rl) -> CollapseParams:
         """From an RLConfig (or anything with the rl.collapse_* attributes; missing ones keep the defaults,
         so a config without these fields is judged by their defaults)."""
-        names = {"window": "collapse_window", "drop": "collapse_drop", "patience": "collapse_patience",
-                 "min_best": "collapse_min_best", "entropy_max": "collapse_entropy_max"}
         get = rl.get if isinstance(rl, Mapping) else lambda k, d: getattr(rl, k, d)
-        return cls(**{f: get(k, getattr(cls, f)) for f, k in names.items()})
+        return cls(**{f: get(k, getattr(cls, f)) for f, k in CONFIG_FIELDS.items()})
 
 
 @dataclass(frozen=True)
