@@ -25,6 +25,7 @@ import torch
 from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, load_yaml, validate
 from moe_lab.launch.experiment import expand
+from moe_lab.mode_specs import REPLAY_SPECS
 from moe_lab.models import load_model, resolve_device
 from moe_lab.rl import checkpoint, seeds
 from moe_lab.rl.coldstart import cold_start
@@ -84,7 +85,7 @@ def load_policy(cfg: RunConfig, ckpt: Path | None):
     model_dir = cold_start(cfg, progress=False)
     task = get_task(cfg.task, load_tokenizer(str(model_dir)))
     policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(resolve_device(cfg.model.device))
-    if cfg.rl.replay == "predictive":
+    if REPLAY_SPECS[cfg.rl.replay].predictor:
         predictor.install(policy)  # a predictive run's checkpoint carries the PR2 heads
     if ckpt is not None:
         checkpoint.load(ckpt, policy, build_optimizer(policy, cfg.rl))
