@@ -243,3 +243,12 @@ def test_two_arm_contrasts_keep_their_formula_bit_for_bit():
     for b, part in df.groupby("block"):
         a, v = (part.loc[part["arm"] == arm, "y"].to_numpy() for arm in ("A", "B"))
         assert got[b] == a.mean() - v.mean()
+
+
+def test_routing_matters_declares_what_issue_55_fixed():
+    # R3 - R2 and R3 - TIS at 4 mini-batches and the interaction (R3 - R2 at 4) - (R3 - R2 at 1), each at +-0.02
+    primary = [c for c in contrasts_spec(load_yaml("experiments/routing_matters.yaml")) if c.role == "primary"]
+    assert [(c.arm, c.vs, c.minus, c.margin) for c in primary] == [
+        ("grpo_r3_mb4", "grpo_r2_mb4", None, 0.02), ("grpo_r3_mb4", "grpo_tis_mb4", None, 0.02),
+        ("grpo_r3_mb4", "grpo_r2_mb4", ("grpo_r3_mb1", "grpo_r2_mb1"), 0.02)]
+    assert blocks_spec(load_yaml("experiments/routing_matters.yaml")).field == "model.seed"
