@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.analysis.endpoints import format_p, load_comparison
-from moe_lab.analysis.stats import (block_cells, block_diffs, cold_start_level, combination_cells, conditional, holm,
+from moe_lab.analysis.stats import (block_diffs, cold_start_level, combination_cells, conditional, holm,
                                     permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
 from moe_lab.launch.design import Contrast
 from moe_lab.launch.spec import parse_experiment
@@ -43,11 +43,7 @@ def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
            "n": len(plus), "n_vs": len(neg), "collapsed": int(plus["collapsed"].sum()),
            "collapsed_vs": int(neg["collapsed"].sum())}
     both = runs[runs["arm_base"].isin(list(weights))]
-    if c.minus:
-        cells = combination_cells(both[column], both["arm_base"], both["block"], weights)
-    else:
-        both = pd.concat([plus, neg])
-        cells = block_cells(both[column], both["arm_base"] == c.arm, both["block"])
+    cells = combination_cells(both[column], both["arm_base"], both["block"], weights)
     level, cond = cold_start_level(cells), conditional(cells)
     row.update(diff=level.diff, se=level.se, df=level.df, lo=level.lo, hi=level.hi, p=level.p, blocks=len(cells),
                cond_se=cond.se, cond_df=cond.df, cond_lo=cond.lo, cond_hi=cond.hi, cond_p=cond.p)
