@@ -31,6 +31,7 @@ from moe_lab.commands.run import builtin_experiment
 from moe_lab.config import resolved_clip
 from moe_lab.launch.experiment import expand
 from moe_lab.models import build_model, moe_layers
+from moe_lab.rl.components import Trainee, installed
 from moe_lab.rl.loop import make_rollout_policy
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, generate, token_logprobs
@@ -147,7 +148,9 @@ def bare(model, opt, task, cfg, prompts) -> tuple[dict[str, float], tuple[int, i
 
 def logged(model, opt, task, cfg, prompts, step: int) -> float:
     """perf/step_s of moe_lab's rl_step with every metric on (routing recorded, the run's replay)."""
-    rows = rl_step(model, make_rollout_policy(model, cfg.rl), None, opt, task, cfg, step, prompts, first_update=0)
+    parts = installed(model, cfg.rl)
+    rows = rl_step(Trainee(model, make_rollout_policy(model, cfg.rl), None, opt, parts), task, cfg, step, prompts,
+                   first_update=0)
     return rows[0]["perf/step_s"]
 
 

@@ -23,6 +23,7 @@ from moe_lab.algos.losses import policy_loss
 from moe_lab.models import build_model
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, generate, token_logprobs
+from moe_lab.rl.components import Trainee, installed
 from moe_lab.rl.step import minibatch_indices, rl_step
 from moe_lab.tasks import get_task
 
@@ -54,7 +55,7 @@ def bare_step(model, opt, task, cfg: RunConfig, prompts: list[str]) -> dict[str,
 
 def full_step(model, opt, task, cfg: RunConfig, prompts: list[str], step: int) -> dict[str, float]:
     t0 = time.perf_counter()
-    rows = rl_step(model, model, None, opt, task, cfg, step, prompts, first_update=0)
+    rows = rl_step(Trainee(model, model, None, opt, installed(model, cfg.rl)), task, cfg, step, prompts, first_update=0)
     total = time.perf_counter() - t0
     r = rows[0]
     return {"rollout_s": r["perf/rollout_s"], "old_s": r["perf/old_s"],

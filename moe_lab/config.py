@@ -19,16 +19,24 @@ import yaml
 
 from moe_lab import constants as C
 from moe_lab import config_checks
+from moe_lab.config_sections import RL_SECTIONS, sectioned, view
 from moe_lab.errors import ConfigError
 from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
 from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
 from moe_lab.yaml_io import apply_overrides, load_yaml, set_dotted  # noqa: F401 - re-exported: callers read YAML through config
 
 
+_HASHED = object()  # param(unhashed=...) unset: the field is always part of the cold-start cache key
+
+
 def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
-          gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
-    """A dataclass field with its help text and allowed values (read by validate() and the docs)."""
+          gt: float | None = None, le: float | None = None, lt: float | None = None, unhashed: Any = _HASHED) -> Any:
+    """A dataclass field with its help text and allowed values (read by validate() and the docs). ``unhashed``: the
+    value at which the cold-start cache key leaves the field out, the one that cold starts committed before the field
+    existed ran with (their keys stay valid): the field's history, not its default."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if unhashed is not _HASHED:
+        meta["unhashed"] = unhashed
     if isinstance(default, list):
         meta["is_list"] = True  # choices then constrain every element
     if isinstance(default, (list, dict)):
@@ -55,13 +63,13 @@ class ModelConfig:
                                               "the family's own choice (qwen3_moe, deepseek_v3: True; qwen2_moe, olmoe: "
                                               "False); False at top_k=1 makes the gate weight the router's probability "
                                               "(Switch-style: the router learns from the policy loss). mixtral and "
-                                              "gpt_oss always renormalise: only None there")
+                                              "gpt_oss always renormalise: only None there", unhashed=None)
     moe_intermediate_size: int = param(128, "hidden width of one routed expert", ge=1)
     intermediate_size: int = param(256, "hidden width of dense/shared-expert MLPs where the family has them", ge=1)
     shared_expert: bool = param(True, "keep the always-on shared expert of the families that have one (qwen2_moe, "
                                       "deepseek_v3); False removes it (width 0: output exactly 0), so every token's MLP "
                                       "output depends on its routing alone. The other families have none: there it "
-                                      "changes nothing")
+                                      "changes nothing", unhashed=True)
     max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
     experts_impl: str = param("grouped_mm", "routed experts' forward: grouped_mm, eager or fused (models/experts.py: "
                                             "within 1e-6 of grouped_mm, not its bits; docs/guide.md says when)",
@@ -83,7 +91,7 @@ class TaskConfig:
     mixture: list[str] = param([], "sub-tasks of task.name=mixture (>= 2, distinct, single tasks only): each prompt "
                                    "starts with one tag token naming its task (moe_lab/tasks/mixture.py), the reward "
                                    "is the sub-task's, task.length applies to each; empty for a single task",
-                               choices=C.SINGLE_TASKS)
+                               choices=C.SINGLE_TASKS, unhashed=[])
 
 
 @dataclass
@@ -97,12 +105,13 @@ class ColdStartConfig:
                                 "check overshoots the target)", ge=1)
     eval_samples: int = param(128, "prompts sampled for each accuracy check", ge=1)
     aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient of the warm-up (the model's own "
-                                      "aux loss), so the router starts balanced like a pretrained MoE's", ge=0.0)
+                                      "aux loss), so the router starts balanced like a pretrained MoE's", ge=0.0,
+                                  unhashed=0.0)
     bias_update_rate: float = param(0.0, "expert-bias step of the warm-up (DeepSeek-V3's aux-loss-free balancing): "
                                          "after every optimizer step each MoE layer's correction bias moves by "
                                          "rate * sign(mean load - load) (moe_lab/rl/expert_bias.py); 0 = never "
                                          "updated. Families with a bias only (deepseek_v3, glm4_moe, minimax_m2, "
-                                         "dots1, deepseek_v32, ernie4_5_moe)", ge=0.0)
+                                         "dots1, deepseek_v32, ernie4_5_moe)", ge=0.0, unhashed=0.0)
     cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
 
 
@@ -124,9 +133,11 @@ def _with_objective_knobs(after: str):
     return insert
 
 
+@sectioned(RL_SECTIONS, extra={"objective": tuple(knob_fields(OBJECTIVE_SPECS))})
 @dataclass
 @_with_objective_knobs(after="dual_clip_c")
 class RLConfig:
+    """The RL settings: flat keys, each in one section of moe_lab/config_sections.py (``section(name)``)."""
     algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
@@ -241,6 +252,10 @@ class RLConfig:
     stop_on_collapse: bool = param(False, "stop a run at a soft collapse (False: record collapsed_at and continue, "
                                           "so curves stay comparable); non-finite values and 5 steps of reward "
                                           "exactly 0 always stop")
+
+    def section(self, name: str):
+        """Section ``name`` of these settings as a frozen dataclass: what the trainer hands the part reading it."""
+        return view(self, name)
 
 
 @dataclass

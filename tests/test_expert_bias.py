@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import collections
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -18,14 +18,13 @@ from moe_lab import constants as C
 from moe_lab.config import ConfigError, ModelConfig, validate
 from moe_lab.models import build_model, correction_biases, moe_layers
 from moe_lab.models.families import FAMILIES
-from moe_lab.rl import loop as loop_mod
 from moe_lab.rl import step as step_mod
 from moe_lab.rl.coldstart import cache_key, cold_start
+from moe_lab.rl.components import Components, RolloutLag
 from moe_lab.rl.expert_bias import ExpertBias, bias_step
 from moe_lab.rl.loop import train
 from moe_lab.routing import record, replay
 from moe_lab.routing.bias_counts import ExpertCounts, counted_ids, own_choice_LBSK, router_logits
-from moe_lab.routing.metrics import expert_load_LE
 
 pytestmark = pytest.mark.filterwarnings("ignore:cold start stopped:RuntimeWarning")
 
@@ -235,14 +234,15 @@ def test_replay_runs_the_forced_ids_exactly_while_the_bias_moves(tmp_path, monke
 def test_the_rollout_copy_and_the_lag_queue_carry_the_bias():
     policy = _model()
     rollout = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
-    lagged = collections.deque()
-    loop_mod._push_snapshot(lagged, loop_mod._snapshot(policy), 1)
+    lagged = Components((RolloutLag(SimpleNamespace(rollout_lag=1)),))
+    lagged.step_start(policy)
+    lagged.step_end()
     old = {k: v.clone() for k, v in correction_biases(policy).items()}
     for b in correction_biases(policy).values():
         b.add_(0.5)
-    loop_mod._sync_rollout_policy(policy, rollout, lagged)  # one step behind: the bias of the snapshot
+    lagged.sync_rollout_policy(policy, rollout)  # one step behind: the bias of the snapshot
     assert all(torch.equal(v, old[k].to(torch.bfloat16)) for k, v in correction_biases(rollout).items())
-    loop_mod._sync_rollout_policy(policy, rollout, collections.deque())
+    Components().sync_rollout_policy(policy, rollout)
     now = correction_biases(policy)
     assert all(torch.equal(v, now[k].to(torch.bfloat16)) for k, v in correction_biases(rollout).items())
 

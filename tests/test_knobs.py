@@ -86,11 +86,10 @@ def _spy_on_steps(monkeypatch):
     starts, batches, policies = {}, {}, []
     real_rl_step, real_collect = train_mod.rl_step, step_mod.collect
 
-    def rl_step(policy, rollout_policy, *args, **kw):
-        step = args[4]
-        starts[step] = copy.deepcopy(policy.state_dict())
-        policies[:] = [policy]
-        return real_rl_step(policy, rollout_policy, *args, **kw)
+    def rl_step(trainee, task, cfg, step, *args, **kw):
+        starts[step] = copy.deepcopy(trainee.policy.state_dict())
+        policies[:] = [trainee.policy]
+        return real_rl_step(trainee, task, cfg, step, *args, **kw)
 
     def collect(policy, rollout_policy, ref_model, task, cfg, step, prompts):
         data = real_collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)

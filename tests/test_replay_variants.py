@@ -4,9 +4,6 @@ probabilities; the extremes against plain replay and free routing."""
 
 from __future__ import annotations
 
-import collections
-
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -123,12 +120,13 @@ def _cfg(tmp_path: Path, *overrides: str):
 
 def test_freeze_router_keeps_router_weights_and_optimizer_state_untouched(tmp_path):
     cfg = _cfg(tmp_path, "rl.freeze_router=true", "rl.replay=old", "rl.replay_gate=0.5")
-    task, policy, rollout_policy, ref, optimizer = _setup(cfg, False)
+    task, trainee = _setup(cfg, False)
+    policy, optimizer = trainee.policy, trainee.optimizer
     torch.manual_seed(cfg.seed)  # sampling, as train() seeds it
     start = {n: p.detach().clone() for n, p in policy.named_parameters()}
     routers = {id(p) for layer in moe_layers(policy) for p in layer.router.parameters()}
     for step in range(2):
-        rows = rl_step(policy, rollout_policy, ref, optimizer, task, cfg, step, step_prompts(task, cfg, step),
+        rows = rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step),
                        first_update=step * updates_per_step(cfg))
         assert all(0.0 <= r["routing/replay_replace_frac"] <= 1.0 for r in rows)
     moved = {n for n, p in policy.named_parameters() if not torch.equal(p, start[n])}
@@ -198,11 +196,12 @@ def test_fitted_predictor_predicts_the_drift_and_routes_closer_to_the_updated_ro
 
 def test_predictive_replay_runs_end_to_end_and_learns_its_heads(tmp_path):
     cfg = _cfg(tmp_path, "rl.replay=predictive", "rl.steps=3", "rl.router_lr_mult=10")
-    task, policy, rollout_policy, ref, optimizer = _setup(cfg, False)
+    task, trainee = _setup(cfg, False)
+    policy = trainee.policy
     torch.manual_seed(cfg.seed)
     rows = []
     for step in range(3):
-        rows += rl_step(policy, rollout_policy, ref, optimizer, task, cfg, step, step_prompts(task, cfg, step),
+        rows += rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step),
                         first_update=step * updates_per_step(cfg))
     firsts = [r for r in rows if r["minibatch"] == 0]  # each step's first update: before any of its updates
     # from step 1 on the rollout routes by a non-zero head, away from the trainer's own choice ...
@@ -221,19 +220,18 @@ def test_predictive_replay_runs_end_to_end_and_learns_its_heads(tmp_path):
 def test_a_bf16_rollout_copy_routes_by_the_current_predictor_heads(tmp_path):
     """The rescue regime samples with a bf16 copy: before each rollout it takes the heads refitted by the last
     step along with the weights, so the sampler's route is the predicted one of the current policy."""
-    from moe_lab.rl.loop import _sync_rollout_policy
-
     cfg = _cfg(tmp_path, "rl.replay=predictive", "rl.steps=2", "rl.router_lr_mult=10", "rl.rollout_dtype=bfloat16")
-    task, policy, rollout_policy, ref, optimizer = _setup(cfg, False)
+    task, trainee = _setup(cfg, False)
+    policy, rollout_policy = trainee.policy, trainee.rollout_policy
     assert rollout_policy is not policy and set(predictor.heads(rollout_policy)) == set(predictor.heads(policy)) != set()
     torch.manual_seed(cfg.seed)
-    rl_step(policy, rollout_policy, ref, optimizer, task, cfg, 0, step_prompts(task, cfg, 0), first_update=0)
+    rl_step(trainee, task, cfg, 0, step_prompts(task, cfg, 0), first_update=0)
     fitted = predictor.heads(policy)
     assert any(h.any() for h in fitted.values())
     assert not any(h.any() for h in predictor.heads(rollout_policy).values())  # not synced yet: still zero
-    _sync_rollout_policy(policy, rollout_policy, collections.deque())
+    trainee.components.sync_rollout_policy(policy, rollout_policy)
     for name, head in predictor.heads(rollout_policy).items():
         assert head.dtype == torch.bfloat16 and torch.equal(head, fitted[name].to(torch.bfloat16))
-    rows = rl_step(policy, rollout_policy, ref, optimizer, task, cfg, 1, step_prompts(task, cfg, 1),
+    rows = rl_step(trainee, task, cfg, 1, step_prompts(task, cfg, 1),
                    first_update=updates_per_step(cfg))
     assert rows[0]["mismatch/expert_change"] > 0 and rows[0]["routing/expert_change"] == 0.0

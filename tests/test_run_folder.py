@@ -106,3 +106,77 @@ def test_the_upgrade_reads_older_layouts_as_todays():
     assert upgrade_manifest(crashed)["status"] == "failed"
     today = {"status": "done", "coldstart": warm, "segments": [{"from_step": 0, "coldstart": warm}]}
     assert upgrade_manifest(today) == today
+
+
+def test_progress_words_each_cell_as_the_runner_plans_it(results):
+    """Every folder of a results folder, as progress reads it, is in the runner's cell state: finished = done, other
+    config = conflict, not started = new, every other word = resume (failed, interrupted, stopped, unverified)."""
+    from moe_lab.rl.runlog import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, PROGRESS_CONFLICT,
+                                   PROGRESS_FINISHED, PROGRESS_NEW, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING,
+                                   STATUS_STOPPED)
+
+    exp = {**EXP, "seeds": list(range(11))}
+    (results / "experiment.yaml").write_text(yaml.safe_dump(exp), encoding="utf-8")
+    cells = expand(exp)
+    _run(results, cells[6], STATUS_FAILED, steps=2, traceback="...")
+    _run(results, cells[7], STATUS_INTERRUPTED, steps=2)
+    _run(results, cells[8], STATUS_RUNNING, steps=2)  # no live process holds it: stopped
+    other = _run(results, cells[9], "done")
+    (other / "config.yaml").write_text(dump_yaml(cells[9].config).replace("steps: 4", "steps: 5"), encoding="utf-8")
+    # cells[10]: never started
+    _, progress = collect(results)
+    word = {p.run_id: p.state for p in progress}
+    expected = {PROGRESS_FINISHED: CELL_DONE, PROGRESS_CONFLICT: CELL_CONFLICT, PROGRESS_NEW: CELL_NEW}
+    with pytest.raises(Exception, match="different config"):
+        plan(cells, results / "runs", overwrite=False)
+    states = {c.run_id: RunFolder(results / "runs" / c.run_id).cell_state(dump_yaml(c.config)) for c in cells}
+    assert {i: expected.get(w, CELL_RESUME) for i, w in word.items()} == states
+    assert set(word.values()) == {PROGRESS_FINISHED, UNVERIFIED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_STOPPED,
+                                  PROGRESS_CONFLICT, PROGRESS_NEW}
+
+
+def test_every_lister_of_run_folders_names_the_same_runs_beside_stray_folders(results):
+    """The runner's results folder, the tables, the cold-start notes and the report count the same run folders;
+    a folder of notes, an empty one and one of plots are none of them."""
+    from moe_lab.analysis.tables import find_run_dirs
+    from moe_lab.launch.coldstart_origin import coldstart_records
+    from moe_lab.rl.run_folder import run_dirs
+
+    runs = results / "runs"
+    (runs / "notes").mkdir()
+    (runs / "notes" / "README.md").write_text("not a run")
+    (runs / "empty").mkdir()
+    (runs / "plots").mkdir()
+    (runs / "plots" / "reward.png").write_bytes(b"")
+    ids = sorted(c.run_id for c in expand(EXP))
+    assert [p.name for p in run_dirs(runs)] == ids
+    assert [r.run_id for r in ResultsFolder(results).run_folders()] == ids
+    assert [r.run_id for r in ResultsFolder(results).run_folders(with_manifest=True)] == ids
+    assert [p.name for p in find_run_dirs(results)] == ids == [p.name for p in find_run_dirs(runs)]
+    for c in expand(EXP):  # each manifest names its cold start: the notes read every run and nothing else
+        manifest = json.loads((runs / c.run_id / "manifest.json").read_text())
+        (runs / c.run_id / "manifest.json").write_text(json.dumps({**manifest, "coldstart": {"key": "k"}}))
+    assert sorted(r for models in coldstart_records(runs).values() for rs in models.values() for r, _ in rs) == ids
+
+
+def test_no_module_spells_a_status_word_of_its_own():
+    """The status vocabulary is declared once (rl/runlog.py): the runner, progress, the run folder, the tables, the
+    trackers and the commands compare and write the names, never a literal word (docstrings aside)."""
+    import ast
+
+    import moe_lab
+    from moe_lab.rl import runlog
+
+    words = {*runlog.MANIFEST_STATUSES, runlog.STATUS_UNVERIFIED, runlog.STATUS_STOPPED, runlog.STATUS_LOCKED,
+             *runlog.CELL_STATES, *runlog.PROGRESS_STATES}
+    pkg = Path(moe_lab.__file__).parent
+    files = [pkg / f for f in ("launch/progress.py", "launch/runner.py", "launch/ray_backend.py", "launch/tracking.py",
+                               "rl/run_folder.py", "analysis/tables.py", "analysis/figures.py")]
+    files += sorted((pkg / "commands").glob("*.py"))
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        found += [f"{path.relative_to(pkg)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in words and id(n) not in docs]
+    assert not found, "\n".join(found)

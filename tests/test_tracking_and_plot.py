@@ -83,7 +83,7 @@ def test_report_to_wandb_offline_run_file_holds_every_row_and_nothing_stays_runn
     assert {k: recorded[k] for k in saved} == saved
     # wandb's service process was stopped with the invocation
     assert not [pid for pid, cmd in _processes() if "wandb-core" in cmd and pid != os.getpid()]
-    # a second invocation (the cell is done) rewrites the mirror instead of adding a run beside it
+    # a second invocation (the cell is done, every row already sent) adds no run beside it
     _smoke_run(tmp_path, "wandb")
     assert len(list((out / "wandb" / "gspo-s0").glob("wandb/offline-run-*/run-*.wandb"))) == 1
 

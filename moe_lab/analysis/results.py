@@ -12,7 +12,7 @@ import pandas as pd
 from moe_lab.analysis import stability
 from moe_lab.analysis.stats import T975, Z975, group_ci, mean_ci, t_quantile_975  # noqa: F401 - re-exported
 from moe_lab.analysis.tables import (  # noqa: F401 - re-exported
-    CONFIG_FILE, ENV_RESULTS, ID_COLUMNS, RUN_KEYS, SUMMARY_EVAL, SUMMARY_METRICS, arm_factor_level,
+    ENV_RESULTS, ID_COLUMNS, RUN_KEYS, SUMMARY_EVAL, SUMMARY_METRICS, arm_factor_level,
     base_arm, check_columns, final_values, find_run_dirs, flatten, last_frac_means, load_runs,
     per_run_step, per_step, reference_dir, run_keys,
 )

@@ -37,8 +37,8 @@ from moe_lab.rl import health
 from moe_lab.analysis.stats import ci_columns
 from moe_lab.config import upgrade_run_config
 from moe_lab.constants import PAPER_CLIP
-from moe_lab.rl.run_folder import RUNS_DIR, RunFolder
-from moe_lab.rl.runlog import CONFIG_FILE, FINISHED, MANIFEST_FILE, METRICS_FILE, STATUS_FAILED
+from moe_lab.rl.run_folder import RUNS_DIR, RunFolder, is_run_dir, run_dirs
+from moe_lab.rl.runlog import FINISHED, STATUS_FAILED
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")
 RUN_KEYS = ("experiment", "run_id")  # a run is unique by these two when several experiments are loaded
 SUMMARY_EVAL = ("eval/acc_greedy", "eval/acc_sampled")
@@ -78,20 +78,16 @@ def flatten(data: dict, prefix: str = "") -> dict:
     return out
 
 
-def _is_run_dir(path: Path) -> bool:
-    return any((path / f).exists() for f in (MANIFEST_FILE, METRICS_FILE, CONFIG_FILE))
-
-
 def find_run_dirs(path: str | Path) -> list[Path]:
-    """Run folders under an experiment folder, a runs/ folder, or a run folder itself."""
+    """Run folders under an experiment folder, a runs/ folder, or a run folder itself (which subfolders are runs:
+    run_folder.run_dirs, the runner's answer)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"path: {str(path)!r} is not a folder; expected an experiment folder, a runs/ folder "
                          "or a run folder")
-    if _is_run_dir(path):
+    if is_run_dir(path):
         return [path]
-    runs = path / RUNS_DIR if (path / RUNS_DIR).is_dir() else path
-    return sorted(p for p in runs.iterdir() if p.is_dir() and _is_run_dir(p))
+    return run_dirs(path / RUNS_DIR if (path / RUNS_DIR).is_dir() else path)
 
 
 def _experiment_name(run_dir: Path) -> str:

@@ -30,6 +30,7 @@ from moe_lab.models import load_model, resolve_device
 from moe_lab.rl import checkpoint, seeds
 from moe_lab.rl.coldstart import cold_start
 from moe_lab.rl.collect import collect, routing_ctx, train_precision
+from moe_lab.rl.components import Trainee, installed
 from moe_lab.rl.loop import make_rollout_policy
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, token_logprobs
@@ -156,11 +157,11 @@ def update_samples(policy, task, cfg: RunConfig, algo: str, steps: int) -> list[
     cfg = measured(cfg, algo=algo, clip_low=None, clip_high=None, decomp_every=0, bias_update_rate=0.0)
     validate(cfg)
     trained = copy.deepcopy(policy)
-    optimizer = build_optimizer(trained, cfg.rl)
+    optimizer, parts = build_optimizer(trained, cfg.rl), installed(trained, cfg.rl)
     rows = []
     for step in range(steps):
         rollout_policy = make_rollout_policy(trained, cfg.rl)  # the sampler takes the updated weights each step
         prompts = task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
-        rows += rl_step(trained, rollout_policy, None, optimizer, task, cfg, step, prompts,
+        rows += rl_step(Trainee(trained, rollout_policy, None, optimizer, parts), task, cfg, step, prompts,
                         first_update=step * updates_per_step(cfg))
     return rows

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from moe_lab.rl.run_folder import RunFolder
-from moe_lab.rl.runlog import MANIFEST_FILE
+from moe_lab.rl.run_folder import RunFolder, run_dirs
 
 NOTE = "moe-lab: note: "
 
@@ -44,8 +43,7 @@ def _model(record: dict) -> tuple:
 def coldstart_records(runs_dir: Path) -> dict[str, dict[tuple, list[tuple[str, str]]]]:
     """key -> (steps, accuracy) -> [(run_id, processor)] over every run folder holding a manifest."""
     records: dict = defaultdict(lambda: defaultdict(list))
-    for manifest_path in sorted(Path(runs_dir).glob(f"*/{MANIFEST_FILE}")):
-        run = RunFolder(manifest_path.parent)
+    for run in map(RunFolder, run_dirs(runs_dir, with_manifest=True)):
         record = began_from(run.manifest)
         if record.get("key"):
             records[record["key"]][_model(record)].append((run.run_id, _processor(run.manifest)))

@@ -23,14 +23,22 @@ from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.coldstart_origin import mixed_notes
 from moe_lab.launch.experiment import Cell
 from moe_lab.launch.spec import Experiment, parse_experiment
-from moe_lab.rl.run_folder import CONFLICT, DONE, UNVERIFIED, ResultsFolder, RunFolder, as_results
-from moe_lab.rl.runlog import STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
+from moe_lab.rl.run_folder import ResultsFolder, RunFolder, as_results
+from moe_lab.rl.runlog import (CELL_CONFLICT, CELL_DONE, PROGRESS_CONFLICT, PROGRESS_FINISHED, PROGRESS_NEW,
+                               PROGRESS_STATES, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING, STATUS_STOPPED,
+                               STATUS_UNVERIFIED)
 
-
-# the states a cell can be in, in the order they are printed: the runner's (run_folder.CELL_STATES) in words, its
-# 'resume' told apart by what the manifest and the .lock say ('unverified': the manifest says finished, but the
-# tables do not hold the rows the run committed, so the runner runs it again)
-STATES = ("finished", "running", "stopped", "interrupted", "failed", UNVERIFIED, "other config", "not started")
+# the states a cell can be in, in the order they are printed (declared in runlog with every status word): the runner's
+# (run_folder.CELL_STATES) in words, its 'resume' told apart by what the manifest and the .lock say ('unverified': the
+# manifest says finished, but the tables do not hold the rows the run committed, so the runner runs it again)
+STATES = PROGRESS_STATES
+# why a cell in each of these states is not finished, printed after its line
+WHY = {STATUS_STOPPED: "no live process holds it: the runner resumes it from its last checkpoint",
+       STATUS_UNVERIFIED: "its manifest says finished, but its tables do not hold the rows it committed: "
+                          "the runner runs it again",
+       PROGRESS_CONFLICT: "its folder holds a run of another config: the runner refuses it without --overwrite"}
+# the states listed one line per cell
+LISTED = (STATUS_FAILED, STATUS_INTERRUPTED, STATUS_STOPPED, STATUS_UNVERIFIED, PROGRESS_CONFLICT)
 
 
 @dataclass(frozen=True)
@@ -62,19 +70,19 @@ def cell_progress(cell: Cell, run_dir: Path, block: object) -> CellProgress:
     runner = folder.cell_state(dump_yaml(cell.config))
     status = folder.status
     pid = folder.live_pid() if status == STATUS_RUNNING else None
-    if runner == CONFLICT:  # the runner refuses it without --overwrite
-        state = "other config"
-    elif runner == DONE:
-        state = "finished"
+    if runner == CELL_CONFLICT:  # the runner refuses it without --overwrite
+        state = PROGRESS_CONFLICT
+    elif runner == CELL_DONE:
+        state = PROGRESS_FINISHED
     elif status == STATUS_RUNNING:
-        state = "running" if pid else "stopped"
+        state = STATUS_RUNNING if pid else STATUS_STOPPED
     elif status in (STATUS_INTERRUPTED, STATUS_FAILED):
         state = status
-    elif folder.verified_status() == UNVERIFIED:
-        state = UNVERIFIED
+    elif folder.verified_status() == STATUS_UNVERIFIED:
+        state = STATUS_UNVERIFIED
     else:
-        state = "not started"
-    steps_done = int(folder.manifest.get("steps_done", 0)) if state == "finished" else folder.steps_logged()
+        state = PROGRESS_NEW
+    steps_done = int(folder.manifest.get("steps_done", 0)) if state == PROGRESS_FINISHED else folder.steps_logged()
     return CellProgress(cell.run_id, cell.arm, block, state, steps_done, cell.config.rl.steps,
                         float(folder.manifest.get("wall_s", 0.0)), pid)
 
@@ -100,19 +108,19 @@ def finished_of(results: Path | ResultsFolder) -> tuple[Experiment, int, int] | 
         exp, cells = collect(results)
     except ConfigError:
         return None
-    return exp, sum(c.state == "finished" for c in cells), len(cells)
+    return exp, sum(c.state == PROGRESS_FINISHED for c in cells), len(cells)
 
 
 def time_left(cells: list[CellProgress], jobs: int) -> tuple[float, float] | None:
     """(seconds per RL step pooled over the finished runs, hours left at ``jobs`` workers) or None before any
     run finished. Unfinished runs are counted at full length: collapsed ones stop early, so it is an upper
     bound."""
-    done = [c for c in cells if c.state == "finished"]
+    done = [c for c in cells if c.state == PROGRESS_FINISHED]
     steps = sum(c.steps_done for c in done)
     if not steps:
         return None
     per_step = sum(c.wall_s for c in done) / steps
-    left = sum(max(c.steps - c.steps_done, 0) for c in cells if c.state != "finished")
+    left = sum(max(c.steps - c.steps_done, 0) for c in cells if c.state != PROGRESS_FINISHED)
     return per_step, per_step * left / max(jobs, 1) / 3600
 
 
@@ -127,38 +135,34 @@ def _grid(cells: list[CellProgress]) -> list[str]:
         row = arm.ljust(width)
         for b in blocks:
             mine = [c for c in cells if c.arm == arm and c.block == b]
-            row += f"  {sum(c.state == 'finished' for c in mine):>3}/{len(mine):<3}"
+            row += f"  {sum(c.state == PROGRESS_FINISHED for c in mine):>3}/{len(mine):<3}"
         lines.append(row.rstrip())
     return lines
 
 
 def report(results: Path, exp: Experiment, cells: list[CellProgress], jobs: int | None) -> list[str]:
     counts = {s: sum(c.state == s for c in cells) for s in STATES}
-    live = sorted(c.pid for c in cells if c.state == "running")
+    live = sorted(c.pid for c in cells if c.state == STATUS_RUNNING)
     name = exp.name or results.name
-    lines = [f"{name}: {len(cells)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n or s == "finished")]
+    lines = [f"{name}: {len(cells)} runs: "
+             + ", ".join(f"{n} {s}" for s, n in counts.items() if n or s == PROGRESS_FINISHED)]
     if live:
         lines.append("running now (pid): " + ", ".join(f"{c.run_id} ({c.pid}, step {c.steps_done}/{c.steps})"
-                                                         for c in cells if c.state == "running"))
+                                                         for c in cells if c.state == STATUS_RUNNING))
     blocks = exp.blocks
     lines.append("finished per arm" + (f" and {blocks.field}" if blocks else "") + ":")
     lines += ["  " + line for line in _grid(cells)]
     for c in cells:
-        if c.state in ("failed", "interrupted", "stopped", UNVERIFIED, "other config"):
-            why = {"stopped": "no live process holds it: the runner resumes it from its last checkpoint",
-                   UNVERIFIED: "its manifest says finished, but its tables do not hold the rows it committed: "
-                                 "the runner runs it again",
-                   "other config": "its folder holds a run of another config: the runner refuses it without "
-                                   "--overwrite"}
+        if c.state in LISTED:
             lines.append(f"{c.run_id}: {c.state} at step {c.steps_done}/{c.steps}"
-                         + (f" ({why[c.state]})" if c.state in why else ""))
+                         + (f" ({WHY[c.state]})" if c.state in WHY else ""))
     workers = jobs or len(live) or 1
     pace = time_left(cells, workers)
-    if pace and counts["finished"] < len(cells):
+    if pace and counts[PROGRESS_FINISHED] < len(cells):
         per_step, hours = pace
         lines.append(f"pace {per_step:.2f} s per RL step (finished runs, all arms pooled): at most {hours:.1f} h "
                      f"left with {workers} worker(s)")
-    if counts["finished"] < len(cells) and not live:
+    if counts[PROGRESS_FINISHED] < len(cells) and not live:
         lines.append(f"resume: moe-lab run {ResultsFolder(results).experiment_path} --out {results}")
     return lines
 
@@ -174,4 +178,4 @@ def main(args) -> int:
         print(f"moe-lab progress: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print("\n".join(report(results, exp, cells, args.jobs) + mixed_notes(folder.runs_dir)))
-    return 0 if all(c.state == "finished" for c in cells) else 1
+    return 0 if all(c.state == PROGRESS_FINISHED for c in cells) else 1

@@ -87,11 +87,11 @@ def progress_line(done: int, running: int, failed: int, total: int, collapsed: i
 
 def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, str]:
     """A task Ray gave up on (its retries spent on dead nodes): say so in the run's manifest."""
-    from moe_lab.rl.runlog import RunLog
     from moe_lab.rl.loop import run_info
+    from moe_lab.rl.run_folder import RunFolder
 
-    log = RunLog(run_dir, run_info(cell.config, cell.run_id, cell.arm))
-    log.write_manifest(STATUS_FAILED, f"ray: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    RunFolder(run_dir).record(STATUS_FAILED, run_info(cell.config, cell.run_id, cell.arm),
+                              f"ray: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     return cell.run_id, STATUS_FAILED
 
 

@@ -28,10 +28,10 @@ from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.experiment import Cell
 from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.launch.coldstart_origin import warmed_here_notes
-from moe_lab.rl.run_folder import CELL_STATES, CONFLICT, DONE, NEW, RESUME, ResultsFolder, RunFolder
-from moe_lab.rl.runlog import FINISHED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, RunLocked, RunLock
+from moe_lab.rl.run_folder import ResultsFolder, RunFolder
+from moe_lab.rl.runlog import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, CELL_STATES, STATUS_DONE, STATUS_FAILED,
+                               STATUS_LOCKED, RunLocked, RunLock)
 
-STATUS_LOCKED = "locked"
 PARENT_POLL_S = 0.5
 
 
@@ -65,13 +65,13 @@ def plan(cells: list[Cell], runs_dir: Path, *, overwrite: bool) -> dict[str, lis
     groups: dict[str, list[Cell]] = {state: [] for state in CELL_STATES}
     for c in cells:
         groups[RunFolder(runs_dir / c.run_id).cell_state(dump_yaml(c.config))].append(c)
-    if groups[CONFLICT] and not overwrite:
-        names = ", ".join(c.run_id for c in groups[CONFLICT][:5])
+    if groups[CELL_CONFLICT] and not overwrite:
+        names = ", ".join(c.run_id for c in groups[CELL_CONFLICT][:5])
         raise ConfigError(f"--out: {runs_dir} already holds runs with a different config ({names}); "
                           f"choose another --out or pass --overwrite to replace them")
-    for c in groups[CONFLICT]:
+    for c in groups[CELL_CONFLICT]:
         shutil.rmtree(runs_dir / c.run_id)
-    groups[NEW] += groups.pop(CONFLICT)
+    groups[CELL_NEW] += groups.pop(CELL_CONFLICT)
     return groups
 
 
@@ -93,8 +93,7 @@ def coldstart_worker(cfg) -> str:
 
 
 def train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
-    """(run_id, status); status 'locked' when another runner holds the folder (nothing is written then)."""
-    from moe_lab.rl.runlog import RunLog
+    """(run_id, status); status 'locked: <why>' when another runner holds the folder (nothing is written then)."""
     from moe_lab.rl.loop import run_info, train
 
     quiet_transformers()
@@ -106,14 +105,13 @@ def train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
     with lock:
         # The other runner may have finished this cell between our plan and our lock.
         folder = RunFolder(run_dir)
-        if folder.cell_state(dump_yaml(cell.config)) == DONE:
+        if folder.cell_state(dump_yaml(cell.config)) == CELL_DONE:
             return cell.run_id, folder.finished()
         try:
             return cell.run_id, train(cell.config, run_dir, run_id=cell.run_id, arm=cell.arm)
         except Exception as exc:  # one broken cell must not take the batch down: record it and go on
-            log = RunLog(run_dir, run_info(cell.config, cell.run_id, cell.arm))
-            log.write_manifest(STATUS_FAILED, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
-                               **_machine_or_nothing())
+            folder.record(STATUS_FAILED, run_info(cell.config, cell.run_id, cell.arm), f"{type(exc).__name__}: {exc}",
+                          traceback=traceback.format_exc(), **_machine_or_nothing())
             return cell.run_id, STATUS_FAILED
 
 
@@ -177,28 +175,12 @@ def _run_parallel(fn, items: list[tuple], jobs: int, desc: str, progress: bool) 
 
 
 def _mark_interrupted(cells: list[Cell], runs_dir: Path) -> list[str]:
-    """Unfinished runs that had started get manifest status 'interrupted'; returns their ids."""
-    from moe_lab.rl.runlog import RunLog
+    """Unfinished runs that had started get manifest status 'interrupted' (RunFolder.mark_interrupted: not those
+    another runner holds); returns their ids."""
     from moe_lab.rl.loop import run_info
 
-    marked = []
-    for c in cells:
-        run_dir = runs_dir / c.run_id
-        try:
-            manifest = RunFolder(run_dir).manifest
-        except ValueError:
-            continue
-        if not manifest or manifest.get("status") in (*FINISHED, STATUS_FAILED):
-            continue
-        try:
-            lock = RunLock(run_dir).acquire()
-        except RunLocked:
-            continue  # another runner's cell: not ours to mark
-        with lock:
-            RunLog(run_dir, run_info(c.config, c.run_id, c.arm)).write_manifest(
-                STATUS_INTERRUPTED, "stopped by the user (SIGINT); rerun the same command to resume")
-        marked.append(c.run_id)
-    return marked
+    return [c.run_id for c in cells
+            if RunFolder(runs_dir / c.run_id).mark_interrupted(run_info(c.config, c.run_id, c.arm))]
 
 
 def _bar(it, desc: str, progress: bool, total: int | None = None):
@@ -314,25 +296,39 @@ def run_experiment(exp: dict | Experiment, out: Path, *, jobs: int | None = None
     check_out_dir(out)
     replace_other = check_same_experiment(exp, out, overwrite=overwrite)
     groups = plan(cells, runs_dir, overwrite=overwrite) if not replace_other else {
-        NEW: list(cells), DONE: [], RESUME: []}
+        CELL_NEW: list(cells), CELL_DONE: [], CELL_RESUME: []}
     if replace_other:
         shutil.rmtree(runs_dir, ignore_errors=True)
     results.write_experiment(exp.explicit)
-    todo = seed_major(groups[RESUME] + groups[NEW])
+    todo = seed_major(groups[CELL_RESUME] + groups[CELL_NEW])
     jobs = jobs or default_jobs(max(c.config.threads for c in cells))
     where = f"{jobs} worker(s)" if backend is None else backend.describe()
-    echo(f"{len(cells)} runs: {len(groups[DONE])} done, {len(groups[RESUME])} to resume, "
-         f"{len(groups[NEW])} new; {where} -> {out}")
-    statuses = {c.run_id: RunFolder(runs_dir / c.run_id).finished() or STATUS_DONE for c in groups[DONE]}
-    if todo:
-        statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress, echo))
+    echo(f"{len(cells)} runs: {len(groups[CELL_DONE])} done, {len(groups[CELL_RESUME])} to resume, "
+         f"{len(groups[CELL_NEW])} new; {where} -> {out}")
+    statuses = {c.run_id: RunFolder(runs_dir / c.run_id).finished() or STATUS_DONE for c in groups[CELL_DONE]}
+    tracker = _tracker(report_to, [runs_dir / c.run_id for c in cells], out, exp.name)
+    try:
+        if todo:
+            statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress, echo))
+    except BaseException:
+        if tracker is not None:
+            tracker.stop()  # what was sent is recorded: the next invocation sends the rest
+        raise
     for run_id, status in statuses.items():
         if status.startswith(STATUS_LOCKED):
             echo(f"{run_id}: {status}")
         elif status == STATUS_FAILED:
             echo(f"{run_id}: failed: {_reason(runs_dir / run_id)}")
-    if report_to is not None:
-        from moe_lab.launch.tracking import mirror_runs
-
-        mirror_runs(report_to, [runs_dir / c.run_id for c in cells], out / report_to, group=exp.name)
+    if tracker is not None:
+        tracker.finish()
     return statuses
+
+
+def _tracker(report_to: str | None, run_dirs: list[Path], out: Path, group: str | None):
+    """The tracker stream of ``--report-to`` (None without), already following the run folders: each run's rows
+    reach the tracker as its checkpoints commit them, not when its cell ends (launch/tracking.py)."""
+    if report_to is None:
+        return None
+    from moe_lab.launch.tracking import TrackerStream
+
+    return TrackerStream(report_to, run_dirs, out / report_to, group=group).start()

@@ -29,8 +29,6 @@ from moe_lab.rl.runlog import (RUN_TABLES, atomic_write_bytes, atomic_write_text
 
 MARKER = "state.json"
 SNAPSHOTS = "lagged.safetensors"
-# state key -> the table file (in the run folder, the checkpoint's parent) whose first rows it counts
-TABLES = {key: name for name, (key, _) in RUN_TABLES.items()}
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +48,7 @@ def _state_digest(state: dict) -> str:
 def table_records(run_dir: Path, state: dict) -> dict:
     """{file: {rows, sha256}} of the first state[key] rows of each table, as they are on disk now."""
     out = {}
-    for key, name in TABLES.items():
+    for name, (key, _) in RUN_TABLES.items():  # the state key that counts the table's first rows
         if key in state:
             n = int(state[key])
             out[name] = {"rows": n, "sha256": rows_digest(read_rows(Path(run_dir) / name)[:n])}
@@ -64,7 +62,7 @@ def verify_tables(run_dir: Path, state: dict, source: Path) -> None:
         raise ResumeError(f"{source / MARKER}: edited after it was written (its digest does not match); "
                           f"restore it, or delete {source} to restart the run from step 0")
     fix = f"restore it, or delete the run folder {run_dir} to rerun it from scratch"
-    for key, name in TABLES.items():
+    for name, (key, _) in RUN_TABLES.items():
         if key not in state:
             continue
         want = state.get("tables", {}).get(name, {"rows": int(state[key])})

@@ -49,20 +49,19 @@ FORMAT_VERSION = 1
 META_FILE = "coldstart.json"
 
 
-# Hashed only when set away from their default: a config that leaves them there keeps the key of the cold starts
-# cached and committed without them (results name those keys), so their cached models stay valid.
-_HASHED_IF_SET = {"coldstart": {"aux_loss_coef": 0.0, "bias_update_rate": 0.0}, "model": {"shared_expert": True, "norm_topk_prob": None},
-                  "task": {"mixture": []}}
+KEYED_SECTIONS = ("model", "task", "coldstart")  # what determines the warmed-up weights (cache_dir aside)
 
 
 def cache_key(cfg: RunConfig) -> str:
     """sha256 of the canonical JSON of everything that determines the warmed-up weights (not cache_dir)."""
-    sections = {name: dataclasses.asdict(getattr(cfg, name)) for name in ("model", "task", "coldstart")}
+    sections = {name: dataclasses.asdict(getattr(cfg, name)) for name in KEYED_SECTIONS}
     sections["coldstart"].pop("cache_dir")
-    for section, defaults in _HASHED_IF_SET.items():
-        for name, default in defaults.items():
-            if sections[section][name] == default:
-                sections[section].pop(name)
+    # a field declared with param(unhashed=v) is left out at v: the cold starts cached and committed before it
+    # existed keep their keys (results name those keys), so their cached models stay valid
+    for name in KEYED_SECTIONS:
+        for f in dataclasses.fields(getattr(cfg, name)):
+            if "unhashed" in f.metadata and sections[name][f.name] == f.metadata["unhashed"]:
+                sections[name].pop(f.name)
     payload = {"format": FORMAT_VERSION, **sections}
     pins = {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}
     if pins:  # kernels pinned (moe-lab run --cpu-isa): their own warm-up; unpinned keys stay as they were

@@ -14,7 +14,6 @@ reduction of the ranks' metrics, and barriers. Only the writing process (rank 0)
 
 from __future__ import annotations
 
-import collections
 import copy
 import time
 from dataclasses import dataclass, field
@@ -23,19 +22,17 @@ from pathlib import Path
 import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
-from moe_lab.mode_specs import REPLAY_SPECS
-from moe_lab.models import correction_biases, load_model, resolve_device
+from moe_lab.models import load_model, resolve_device
 from moe_lab.models.numerics import RolloutNumerics
 from moe_lab.rl import checkpoint, health, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
-from moe_lab.rl.expert_bias import ExpertBias
+from moe_lab.rl.components import Components, Trainee
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
 from moe_lab.rl.run_folder import RunFolder, first_segments
 from moe_lab.rl.runlog import (CHECKPOINT_DIR, CONFIG_FILE, STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog,
                                atomic_write_text, config_state, machine_info)
 from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
-from moe_lab.routing import predictor
 from moe_lab.tasks import get_task, load_tokenizer
 
 
@@ -67,44 +64,6 @@ class TrainState:
 def step_prompts(task, cfg: RunConfig, step: int) -> list[str]:
     """Prompts of one step, a pure function of (seed, step): a resumed run draws the same ones."""
     return task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
-
-
-def _model_state(model) -> dict[str, torch.Tensor]:
-    """What the rollout copy samples with: the weights and the expert correction biases (state outside the
-    gradient, moved by rl.bias_update_rate), by name."""
-    return {**dict(model.named_parameters()), **correction_biases(model)}
-
-
-def _sync_rollout_policy(policy, rollout_policy, lagged: collections.deque):
-    """The rollout copy takes the weights (and expert biases) it samples with, cast to the rollout dtype (bf16
-    mismatch knob): the oldest snapshot of the lag queue (rl.rollout_lag), or the trained ones when it is empty.
-    A snapshot without biases keeps the current ones: a run that saved none never moved them."""
-    if rollout_policy is policy:
-        return
-    current = _model_state(policy)
-    source = {**current, **lagged[0]} if lagged else current
-    with torch.no_grad():
-        for name, dst in _model_state(rollout_policy).items():
-            dst.copy_(source[name])
-        current = predictor.heads(policy)  # PR² heads are buffers refitted each step: the sampler routes by them
-        for name, dst in predictor.heads(rollout_policy).items():
-            dst.copy_(current[name])
-
-
-def _snapshot(policy) -> dict[str, torch.Tensor]:
-    """fp32 copy of the weights (and expert biases) at the start of a step: what a rollout worker k steps behind
-    would hold."""
-    return {name: p.detach().clone() for name, p in _model_state(policy).items()}
-
-
-def _push_snapshot(lagged: collections.deque, snapshot: dict | None, lag: int) -> None:
-    """Keep the starts of the last `lag` steps: lagged[0] is then the policy of step t - lag (or the
-    initial weights while t < lag, as an asynchronous run starts with every worker on them)."""
-    if snapshot is None:
-        return
-    lagged.append(snapshot)
-    while len(lagged) > lag:
-        lagged.popleft()
 
 
 def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) -> dict:
@@ -144,21 +103,21 @@ def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
     return {"run_id": run_id, "arm": arm, "algo": cfg.rl.algo, "replay": cfg.rl.replay, "seed": cfg.seed}
 
 
-def _setup(cfg: RunConfig, progress: bool):
-    """Cold-started policy (and its tokenizer's task), rollout copy, reference model, optimizer."""
+def _setup(cfg: RunConfig, progress: bool) -> tuple:
+    """(task, Trainee): the cold-started policy (and its tokenizer's task), its step components installed, the
+    rollout copy, reference model and optimizer."""
     device = resolve_device(cfg.model.device)
     model_dir = cold_start(cfg, progress=progress)
     task = get_task(cfg.task, load_tokenizer(str(model_dir)))
     policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).to(device)
     policy.train(False)  # no dropout: the old and new forwards must be comparable
-    if cfg.rl.bias_update_rate:  # a checkpoint's family is known only now: refused before the first step
-        ExpertBias(policy, cfg.rl.bias_update_rate, cfg.rl.bias_count_dtype)
-    if REPLAY_SPECS[cfg.rl.replay].predictor:
-        predictor.install(policy)  # before any copy and before a resume loads the saved heads
+    components = Components.build(cfg.rl)
+    components.install(policy)  # before any copy and before a resume loads the saved state
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
-    return task, policy, make_rollout_policy(policy, cfg.rl), ref_model, build_optimizer(policy, cfg.rl)
+    return task, Trainee(policy, make_rollout_policy(policy, cfg.rl), ref_model, build_optimizer(policy, cfg.rl),
+                         components)
 
 
 def make_rollout_policy(policy, rl):
@@ -208,13 +167,12 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     torch.set_num_threads(cfg.threads)
     run_dir = Path(run_dir)
     log = RunLog(run_dir, run_info(cfg, run_id, arm)) if split.writer else None
-    task, policy, rollout_policy, ref_model, optimizer = split.setup(lambda: _claim(run_dir, dump_yaml(cfg)),
-                                                                     lambda: _setup(cfg, progress))
+    task, trainee = split.setup(lambda: _claim(run_dir, dump_yaml(cfg)), lambda: _setup(cfg, progress))
     # the run-long sampling stream of rl.rollout_seeding=sequential (per_group draws from its own generators); after
     # setup: loading or warming up the model may draw numbers
     torch.manual_seed(seeds.run_seed(cfg.seed))
-    state = split.resume_state(run_dir, policy, optimizer)
-    lagged = collections.deque(checkpoint.load_snapshots(run_dir / CHECKPOINT_DIR, policy.device))
+    state = split.resume_state(run_dir, trainee.policy, trainee.optimizer)
+    trainee.components.resume(run_dir / CHECKPOINT_DIR, trainee.policy.device)
     if log:
         log.load(state.rows, state.eval_rows)
     # the health after the logged rows (only the writer holds them); from then on every process advances it
@@ -224,8 +182,8 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     extra["machine"] = extra["segments"][-1]["machine"]  # this start's, as the last segment records it
     if log:
         log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, **run_health.manifest())
-    reason = _loop(cfg, task, (policy, rollout_policy, ref_model, optimizer), log, state, run_dir, run_health,
-                   lagged, split, _progress(range(state.step, cfg.rl.steps), progress, run_id))
+    reason = _loop(cfg, task, trainee, log, state, run_dir, run_health, split,
+                   _progress(range(state.step, cfg.rl.steps), progress, run_id))
     status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
     if log:
         log.flush()
@@ -255,19 +213,19 @@ def provenance(prior: dict, cfg: RunConfig, step: int) -> dict:
     return {"coldstart": segments[0]["coldstart"], "segments": segments}
 
 
-def _loop(cfg, task, models, log: RunLog | None, state: TrainState, run_dir: Path, run_health, lagged, split,
+def _loop(cfg, task, trainee: Trainee, log: RunLog | None, state: TrainState, run_dir: Path, run_health, split,
           steps) -> str:
-    policy, rollout_policy, ref_model, optimizer = models
+    policy, parts = trainee.policy, trainee.components
     eval_prompts = task.eval_prompts()
     for step in steps:
         t0 = time.perf_counter()
         if log and step % cfg.rl.eval_every == 0:
             log.add_eval(_evaluate(policy, task, eval_prompts, cfg, step))
-        snapshot = _snapshot(policy) if cfg.rl.rollout_lag else None
-        _sync_rollout_policy(policy, rollout_policy, lagged)
-        rows = rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg, step, step_prompts(task, cfg, step),
+        parts.step_start(policy)
+        parts.sync_rollout_policy(policy, trainee.rollout_policy)
+        rows = rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step),
                        first_update=step * updates_per_step(cfg), split=split)
-        _push_snapshot(lagged, snapshot, cfg.rl.rollout_lag)
+        parts.step_end()
         state.wall_s += time.perf_counter() - t0
         for r in rows if log else ():
             log.add({**r, "perf/wall_s": state.wall_s})
@@ -284,7 +242,7 @@ def _loop(cfg, task, models, log: RunLog | None, state: TrainState, run_dir: Pat
                 if state.step == cfg.rl.steps:
                     log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
                 state.rows, state.eval_rows = log.flush()
-                checkpoint.save(run_dir / CHECKPOINT_DIR, policy, optimizer, state.to_dict(), snapshots=list(lagged))
+                checkpoint.save(run_dir / CHECKPOINT_DIR, policy, trainee.optimizer, state.to_dict(), **parts.saved())
             split.barrier()  # no process runs ahead of a checkpoint it might have to resume from
     return ""
 

@@ -7,10 +7,14 @@ Layout (file names declared once, in ``runlog``, the writer, and here for the re
                                          eval.parquet, checkpoint/, .lock (see ``runlog``)
 
 A manifest is read once per ``RunFolder`` and through one upgrade of older layouts (``upgrade_manifest``), and a
-cell's state has one vocabulary, the runner's: ``new`` (no config yet), ``done`` (finished, done or collapsed, and
-its tables hold what it committed), ``resume`` (anything else the runner would run on from its checkpoint) or
-``conflict`` (the folder holds another config). `moe-lab run`, `progress`, `compare`, `verify` and `list` all
-ask ``RunFolder.cell_state`` / ``RunFolder.finished``, so none of them calls finished a run the runner resumes.
+cell's state has one vocabulary, the runner's (declared with every status word in ``runlog``): ``new`` (no config
+yet), ``done`` (finished, done or collapsed, and its tables hold what it committed), ``resume`` (anything else the
+runner would run on from its checkpoint) or ``conflict`` (the folder holds another config). `moe-lab run`,
+`progress`, `compare`, `verify` and `list` all ask ``RunFolder.cell_state`` / ``RunFolder.finished``, so none of
+them calls finished a run the runner resumes. Which subfolders are runs is answered once (``run_dirs``), for the
+runner's results folders and the tables' experiment folders alike; what the runner says of a run (failed,
+interrupted) it writes through ``RunFolder.record`` / ``mark_interrupted``; the rows a run has committed (those no
+resume recomputes: what a tracker streams) are ``RunFolder.committed_rows``.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ from pathlib import Path
 
 from moe_lab.config import load_yaml
 from moe_lab.rl.health import STOP_REASON_PREFIXES
-from moe_lab.rl.runlog import (CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, FINISHED, LOCK_FILE, MANIFEST_FILE,
-                               METRICS_FILE, STATUS_COLLAPSED, STATUS_DONE, STATUS_FAILED, atomic_write_text,
+from moe_lab.rl.runlog import (CELL_STATES, CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, FINISHED, LOCK_FILE, MANIFEST_FILE,
+                               METRICS_FILE, RUN_TABLES, STATUS_COLLAPSED, STATUS_DONE, STATUS_FAILED,
+                               STATUS_INTERRUPTED, STATUS_UNVERIFIED, RunLock, RunLocked, RunLog, atomic_write_text,
                                config_state, read_json)
 
 EXPERIMENT_FILE = "experiment.yaml"
 RUNS_DIR = "runs"
-# the runner's cell states
-NEW, DONE, RESUME, CONFLICT = "new", "done", "resume", "conflict"
-CELL_STATES = (NEW, DONE, RESUME, CONFLICT)
-# what a reader shows for a manifest that says finished while its tables do not hold the rows the run committed (the
-# runner resumes it): never written into a manifest
-UNVERIFIED = "unverified"
+# the runner's cell states and a reader's word for an unconfirmed finished manifest, by their short names (declared
+# in runlog with every status word)
+NEW, DONE, RESUME, CONFLICT = CELL_STATES
+UNVERIFIED = STATUS_UNVERIFIED
+# a subfolder holding any of these is a run folder (a run killed before its first flush holds its config alone)
+RUN_MARKERS = (MANIFEST_FILE, METRICS_FILE, CONFIG_FILE)
+INTERRUPTED_REASON = "stopped by the user (SIGINT); rerun the same command to resume"
 # health.stop_reason's openings tell a manifest of a collapse without the 'collapsed' status (status 'failed', no
 # traceback) apart from a run that failed on an error.
 
@@ -68,6 +74,22 @@ def upgrade_manifest(raw: dict) -> dict:
     if segments:
         manifest["segments"] = segments
     return manifest
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether a folder is a run folder: it holds a manifest, a metrics table or a config."""
+    return any((Path(path) / name).exists() for name in RUN_MARKERS)
+
+
+def run_dirs(folder: str | Path, with_manifest: bool = False) -> list[Path]:
+    """The run folders among ``folder``'s subfolders, in name order (only those holding a manifest with
+    ``with_manifest``): the one answer to which subfolders are runs, for the runner's runs/ and the tables alike; a
+    stray subfolder (notes, plots) is none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = sorted(p for p in folder.iterdir() if p.is_dir() and is_run_dir(p))
+    return [p for p in found if not with_manifest or (p / MANIFEST_FILE).is_file()]
 
 
 def _table_rows(path: Path) -> int:
@@ -130,7 +152,7 @@ class RunFolder:
     def _tables_committed(self) -> bool:
         """The final checkpoint's rows, verified with their digests, or the row counts of the manifest (a folder
         trimmed of checkpoint/, or a collapsed run: it stops after its last checkpoint, with more rows than that)."""
-        from moe_lab.rl.checkpoint import TABLES, ResumeError, read_state
+        from moe_lab.rl.checkpoint import ResumeError, read_state
 
         try:
             committed = read_state(self.checkpoint_dir) is not None
@@ -140,8 +162,48 @@ class RunFolder:
             return True
         if not self.metrics_path.exists():
             return False
-        return all(_table_rows(self.path / name) >= self.manifest[key] for key, name in TABLES.items()
+        return all(_table_rows(self.path / name) >= self.manifest[key] for name, (key, _) in RUN_TABLES.items()
                    if key in self.manifest)
+
+    def committed_rows(self) -> dict[str, int]:
+        """{table file: rows} the run has committed, which no resume recomputes (the rows after them may come back
+        different): a finished run's counts (its manifest's, else its final checkpoint's, else its whole tables), else
+        its last checkpoint's ({} before the first, or when its tables do not match it). A table on disk always holds
+        at least the rows committed when it is read after the counts."""
+        from moe_lab.rl.checkpoint import read_state
+
+        try:
+            got = read_state(self.checkpoint_dir)
+        except ValueError:  # ResumeError, or a half-read marker: nothing committed that can be trusted
+            got = None
+        state = got[0] if got else {}
+        if self.finished():
+            return {name: int(self.manifest.get(key, state.get(key, _table_rows(self.path / name))))
+                    for name, (key, _) in RUN_TABLES.items()}
+        return {name: int(state[key]) for name, (key, _) in RUN_TABLES.items() if key in state}
+
+    def record(self, status: str, info: dict, reason: str = "", **extra) -> None:
+        """Write what the runner says of this run (failed, interrupted) into its manifest through the run log, the
+        one writer of manifests; the caller holds the folder's lock. ``info``: the run's id columns (loop.run_info)."""
+        RunLog(self.path, info).write_manifest(status, reason, **extra)
+        self.__dict__.pop("manifest", None)  # the next reading is of the file as written
+
+    def mark_interrupted(self, info: dict) -> bool:
+        """Mark a run that started and neither finished nor failed 'interrupted', under its lock; a folder another
+        runner holds, or with an unreadable manifest, is left alone. Whether it was marked."""
+        try:
+            manifest = self.manifest
+        except ValueError:
+            return False
+        if not manifest or manifest.get("status") in (*FINISHED, STATUS_FAILED):
+            return False
+        try:
+            lock = RunLock(self.path).acquire()
+        except RunLocked:
+            return False  # another runner's cell: not ours to mark
+        with lock:
+            self.record(STATUS_INTERRUPTED, info, INTERRUPTED_REASON)
+        return True
 
     def cell_state(self, config_text: str) -> str:
         """The runner's state of this folder for a cell of config ``config_text`` (one of CELL_STATES)."""
@@ -207,11 +269,8 @@ class ResultsFolder:
         return RunFolder(self.runs_dir / run_id)
 
     def run_folders(self, with_manifest: bool = False) -> list[RunFolder]:
-        """Every folder under runs/ in name order (only those holding a manifest with ``with_manifest``)."""
-        if not self.runs_dir.is_dir():
-            return []
-        found = sorted(p for p in self.runs_dir.iterdir() if p.is_dir())
-        return [RunFolder(p) for p in found if not with_manifest or (p / MANIFEST_FILE).is_file()]
+        """The run folders under runs/ (``run_dirs``), in name order."""
+        return [RunFolder(p) for p in run_dirs(self.runs_dir, with_manifest)]
 
 
 def as_results(folder: str | Path | ResultsFolder) -> ResultsFolder:

@@ -3,14 +3,14 @@ policy) → minibatch updates.
 
 The algorithm (``rl.algo``) is only an argument of ``policy_loss``; Routing Replay (``rl.replay``) only
 chooses which trace, if any, the update forwards are forced to follow (``collect.replay_traces``, the one
-place that reads which trace), and a mode whose row says ``predictor`` (moe_lab/mode_specs.py) refits the
-predictor heads after the updates. Nothing else branches. ``rl_step`` runs one step over a batch split:
-``SingleProcess`` for a plain run, ``moe_lab.rl.distributed.DataParallel`` under torchrun.
+place that reads which trace). The stateful extras (the expert bias, the PR2 predictor) are the run's step
+components (moe_lab/rl/components.py), called at fixed hooks. Nothing else branches. ``rl_step`` takes a
+``Trainee`` and runs one step over a batch split: ``SingleProcess`` for a plain run,
+``moe_lab.rl.distributed.DataParallel`` under torchrun.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
@@ -22,17 +22,14 @@ from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
-from moe_lab.mode_specs import REPLAY_SPECS
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
-from moe_lab.rl.expert_bias import ExpertBias
+from moe_lab.rl.components import Components, Trainee
 from moe_lab.rl.groups import group_minibatch_indices
 from moe_lab.rl.optim import router_parameters, set_lr
 from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
-from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, replay, router_gamma,
+from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, router_gamma,
                              router_logp_probe, router_shift, routing_metrics)
-from moe_lab.routing import predictor
-from moe_lab.routing.bias_counts import counted_ids, router_logits
 
 # across ranks (moe_lab/algos/reductions.py), the metrics of an update made here: the loss and the aux loss are
 # per-sequence means (seq-mean aggregations), the KL loss term only averaged (token-mean of a part: not exact)
@@ -162,19 +159,10 @@ def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | 
                                *_decomp_clip(cfg.rl))
 
 
-def _bias_row(bias: ExpertBias, policy, logits: list, used, latent, data: StepData, idx_B: torch.Tensor,
-              cfg: RunConfig, expert_change_latent: float | None) -> dict[str, float]:
-    """rl.bias_update_rate: this optimizer step's loads (its one update forward's real tokens, prompt and
-    response: the tokens the router ran on, padding excluded), the bias step, and the routing it alone changes."""
-    b = data.batch
-    bias.count(counted_ids(cfg.rl.bias_counts, used, latent), b.attention_mask_BS[idx_B][:, :-1])
-    return bias.update_measured(policy, logits, b.response_mask_BT[idx_B], expert_change_latent)
-
-
 def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cfg: RunConfig, step: int,
-           update_idx: int) -> dict[str, float]:
+           update_idx: int, components: Components = Components()) -> dict[str, float]:
     """One optimizer step on the minibatch idx_B (indices into the rollout batch); returns its metrics (the
-    update's row of the results table)."""
+    update's row of the results table). ``components``: the run's stateful extras (moe_lab.rl.components)."""
     t0 = time.perf_counter()
     lr = set_lr(optimizer, cfg.rl, update_idx)
     gen = seeds.update_generator(cfg.seed, step, update_idx)
@@ -187,9 +175,8 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     mask = data.batch.response_mask_BT[idx_B]
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
-    bias = ExpertBias(policy, cfg.rl.bias_update_rate, cfg.rl.bias_count_dtype) if cfg.rl.bias_update_rate else None
     with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current, \
-            (router_logits(policy) if bias else contextlib.nullcontext()) as logits:
+            components.update_context(policy) as handles:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
             loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
@@ -199,9 +186,8 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
         optimizer.step()
     used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
     metrics.update(_routing_row(ref, used, latent, mask, shift))
-    if bias is not None and math.isfinite(grad_norm):  # the bias steps with the optimizer
-        metrics.update(_bias_row(bias, policy, logits, used, latent, data, idx_B, cfg,
-                                 metrics.get("routing/expert_change_latent")))
+    if math.isfinite(grad_norm):  # what moves with the optimizer (the expert bias) steps with it
+        metrics.update(components.after_optimizer_step(policy, handles, data, idx_B, used, latent, metrics))
     if forced is not None and cfg.rl.replay_gate > 0:
         metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/router_grad_norm": router_norm,
@@ -266,32 +252,25 @@ class SingleProcess:
         return [(key, metrics) for key, metrics, _ in updates]
 
 
-@torch.no_grad()
-def _pr2_observe(policy, data: StepData, cfg: RunConfig) -> predictor.Observation:
-    """Router inputs and logits before the updates, under the replayed (predicted) rollout routing."""
-    b = data.batch
-    with replay(policy, data.forced_trace, gate=cfg.rl.replay_gate), predictor.observe(policy, b.response_mask_BT) as observed:
-        forward_logits(policy, b.input_ids_BS, b.attention_mask_BS)
-    return observed
-
-
-def rl_step(policy, rollout_policy, ref_model, optimizer, task, cfg: RunConfig, step: int, prompts: list[str],
-            first_update: int, split=None) -> list[dict]:
+def rl_step(trainee: Trainee, task, cfg: RunConfig, step: int, prompts: list[str], *, first_update: int,
+            split=None) -> list[dict]:
     """Collect one rollout batch and run epochs x minibatches updates over ``split`` (default: the plain
     run's ``SingleProcess``); one row per update, the same on every process."""
     split = split or SingleProcess()
+    policy, parts = trainee.policy, trainee.components
     t0 = time.perf_counter()
-    data, batch_metrics, tokens = split.collect(policy, rollout_policy, ref_model, task, cfg, step, prompts)
-    predicted = REPLAY_SPECS[cfg.rl.replay].predictor  # refused under torchrun (dp_split)
-    observed = _pr2_observe(policy, data, cfg) if predicted else None
+    data, batch_metrics, tokens = split.collect(policy, trainee.rollout_policy, trainee.ref_model, task, cfg, step,
+                                                prompts)
+    parts.before_updates(policy, data, cfg)
     trained, updates = split.trained(policy), []
     for epoch, m, u, idx_B in split.schedule(data, cfg, step, first_update):
-        metrics = split.checked(update(trained, ref_model, optimizer, data, idx_B, cfg, step, u), step, u, first_update)
+        metrics = update(trained, trainee.ref_model, trainee.optimizer, data, idx_B, cfg, step, u, parts)
+        metrics = split.checked(metrics, step, u, first_update)
         updates.append(((epoch, m, u), metrics, idx_B))
         if not split.all_finite(metrics, policy.device):
             break
     reduced = split.reduce(updates, data)
-    pr2 = {} if observed is None else predictor.fit(policy, observed)  # learn this step's router drift
+    after = parts.after_updates(policy)  # e.g. PR2 learns this step's router drift
     wall = time.perf_counter() - t0
-    return [{"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics, **pr2,
+    return [{"step": step, "epoch": epoch, "minibatch": m, "update": u, **batch_metrics, **metrics, **after,
              "perf/step_s": wall, "perf/tokens_per_s": tokens / wall} for (epoch, m, u), metrics in reduced]
