@@ -25,7 +25,8 @@ from moe_lab.analysis import stability
 from moe_lab.analysis import stability_plots
 from moe_lab.constants import PPO_CLIP_ALGOS
 from moe_lab.errors import ConfigError
-from moe_lab.launch.experiment import BASE_LABEL, endpoint_spec
+from moe_lab.launch.experiment import BASE_LABEL
+from moe_lab.launch.spec import Experiment, parse_experiment
 
 FORMATS = ("png", "pdf", "svg")
 FIGURE_NAMES = ("clip_fraction", "reward_curves", "routing_volatility", "routing_heatmap", "ratio_variance",
@@ -46,12 +47,23 @@ def varies(df: pd.DataFrame, col: str, within: str = "arm_base") -> bool:
     return bool((df.groupby(within)[col].nunique() > 1).any())
 
 
+def _parsed(design: dict | Experiment | None) -> Experiment | None:
+    """The typed experiment, or None when there is none or it does not parse (`moe-lab compare` reports a bad
+    block; the figures that need no design still draw)."""
+    try:
+        return None if design is None else parse_experiment(design)
+    except ConfigError:
+        return None
+
+
 def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
-                    design: dict | None = None) -> dict[str, Callable[[], Figure]]:
+                    design: dict | Experiment | None = None) -> dict[str, Callable[[], Figure]]:
     """Name -> builder of every figure these frames support, in FIGURE_NAMES order. ``design``: the
-    experiment as run (its experiment.yaml); a ``factors`` block there makes the folder an atlas."""
+    experiment as run (its experiment.yaml, or parsed); a ``factors`` block there makes the folder an atlas."""
     plan: dict[str, Callable[[], Figure]] = {}
-    if (design or {}).get("factors"):  # an atlas: per-arm curves (or survival) of ~80 cells would be unreadable
+    exp = _parsed(design)
+    design = exp.explicit if exp is not None else None
+    if exp is not None and exp.setting("factors"):  # an atlas: per-arm curves of ~80 cells would be unreadable
         if _has(metrics, "ratio/token_var", "routing/expert_change"):
             plan["atlas"] = lambda: stability_plots.atlas(metrics, evals, design=design)
         if is_replay_comparison(metrics):
@@ -87,18 +99,14 @@ def planned_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
         else:
             plan["rescue"] = lambda: replay_plots.rescue(metrics, evals)
     if not is_atlas(metrics):  # ~80 one-seed cells: an atlas has neither seed bands nor pairs to compare
-        plan.update(_endpoint_figures(metrics, evals, design))
+        plan.update(_endpoint_figures(metrics, evals, exp if exp is not None else parse_experiment(None)))
     return plan
 
 
-def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
-                      design: dict | None) -> dict[str, Callable[[], Figure]]:
+def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame, exp: Experiment) -> dict[str, Callable[[], Figure]]:
     """Learning curves with seed bands once some arm has several seeds, and the forest of differences once
     some setting also has two arms; the endpoints (and their windows) are the experiment file's."""
-    try:
-        spec = endpoint_spec(design)
-    except ConfigError:  # `moe-lab compare` reports a bad endpoints: block; the other figures still draw
-        return {}
+    spec = exp.endpoints
     # frames not read by load_runs (no arm_base, no schedule columns) cannot place the endpoints' windows
     if "arm" not in evals or "arm_base" not in evals or not _has(evals, spec.primary_metric, "seed", "rl.steps",
                                                                  "rl.eval_every") \
@@ -111,7 +119,8 @@ def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame,
 
 
 def _design(results_dir: Path) -> dict | None:
-    """The experiment.yaml the runner wrote beside runs/, if readable (the atlas's factors, the endpoints)."""
+    """The experiment.yaml the runner wrote beside runs/, if readable (the atlas's factors, the endpoints); parsed
+    once, by planned_figures."""
     from moe_lab.rl.run_folder import ResultsFolder
 
     try:
