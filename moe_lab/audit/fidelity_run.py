@@ -63,13 +63,15 @@ def resolve(source: str, overrides: list[str]) -> Source:
         cfg = validate(from_dict(apply_overrides(folder.config(), list(overrides))))
         ckpt = path / CHECKPOINT_DIR
         found = checkpoint.read_state(ckpt) is not None
-        return Source(cfg, ckpt if found else None, f"run {path.name}" + ("" if found else " (no checkpoint: cold start)"))
+        label = f"run {path.name}" + (f" with {' '.join(overrides)}" if overrides else "")
+        return Source(cfg, ckpt if found else None, label + ("" if found else " (no checkpoint: cold start)"))
     if not path.is_file():
         raise ConfigError(f"RUN_OR_CONFIG {source!r}: no such run folder or YAML file")
     data = load_yaml(str(path))
     exp = {"name": path.stem, "base": data} if data and set(data) <= set(RunConfig.__dataclass_fields__) else data
     cell = expand(exp, overrides=list(overrides))[0]
-    return Source(cell.config, None, f"{path.name} cell {cell.run_id} (cold start)")
+    with_overrides = f" with {' '.join(overrides)}" if overrides else ""  # the cell's name is the file's, before them
+    return Source(cell.config, None, f"{path.name} cell {cell.run_id}{with_overrides} (cold start)")
 
 
 def measured(cfg: RunConfig, **rl) -> RunConfig:
