@@ -97,10 +97,10 @@ def file_committed(folder: ResultsFolder, exp: Experiment) -> str:
     name = exp.name
     candidates = [Path(root) / "experiments" / f"{name}.yaml"] if name else []
     for path in [*candidates, folder.experiment_path.resolve()]:
-        log = _git(Path(root), "log", "--diff-filter=A", "--format=%h %ct", "--", str(path))
-        if log:
+        log = _git(Path(root), "log", "--diff-filter=A", "--format=%H %ct", "--", str(path))
+        if log:  # the full hash cut to 7, as git_commit above: %h's length depends on the clone's object count
             commit, when = log.splitlines()[-1].split()
-            return f"{utc(float(when))} ({commit}, `{Path(path).relative_to(root).as_posix()}`)"
+            return f"{utc(float(when))} ({commit[:7]}, `{Path(path).relative_to(root).as_posix()}`)"
     return "unknown (not in the git history)"
 
 
