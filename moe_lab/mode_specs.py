@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moe_lab.objective_specs import check_color
+
 # where a replayed update's routing comes from (ReplaySpec.forces); None: the routers choose freely
 OLD_FORWARD = "old_forward"  # R2: the old-policy forward's routing, recorded before the updates
 ROLLOUT = "rollout"  # R3: the routing the sampler recorded while generating
@@ -31,6 +33,8 @@ class ReplaySpec:
       step's updates): only the current step's heads exist, so rl.rollout_lag must stay 0.
     single_process: why the mode runs in one process only ("" = allowed data-parallel, under torchrun).
     trl: offered by the TRL integration (MoEGRPOConfig.routing_replay).
+    color: the mode's hue in figures ("#RRGGBB"; "" for no replay): an arm preset with this mode takes it
+      (launch/compose.py).
     """
 
     name: str
@@ -39,8 +43,12 @@ class ReplaySpec:
     predictor: bool
     single_process: str
     trl: bool
+    color: str = ""
 
     def __post_init__(self):
+        check_color(self.color or None, f"replay spec {self.name!r}")
+        if (self.color == "") != (self.forces is None):
+            raise ValueError(f"replay spec {self.name!r}: a replay has a colour; free routing has none")
         if self.forces not in FORCE_SOURCES:
             raise ValueError(f"replay spec {self.name!r}: forces={self.forces!r}, allowed {FORCE_SOURCES}")
         if not all(isinstance(t, bool) for t in (self.predictor, self.trl)):
@@ -75,8 +83,12 @@ class CorrectionSpec:
     action: str | None
     lower: float | None
     upper: float | None
+    color: str = ""  # its hue in figures ("#RRGGBB"), "" for none: an arm preset with this mode takes it
 
     def __post_init__(self):
+        check_color(self.color or None, f"correction spec {self.name!r}")
+        if (self.color == "") != (self.level is None):
+            raise ValueError(f"correction spec {self.name!r}: a correction has a colour; none has none")
         if self.level not in (None, TOKEN, SEQUENCE) or self.action not in (None, TRUNCATE, MASK):
             raise ValueError(f"correction spec {self.name!r}: level={self.level!r}, action={self.action!r}")
         if (self.level is None) != (self.label == ""):
@@ -104,21 +116,22 @@ _PR2_SINGLE = "the predictor heads are refitted by the single-process step only"
 
 _REPLAY_ROWS = (
     ReplaySpec("none", "", forces=None, predictor=False, single_process="", trl=True),
-    ReplaySpec("old", "R2", forces=OLD_FORWARD, predictor=False, single_process="", trl=True),
-    ReplaySpec("rollout", "R3", forces=ROLLOUT, predictor=False, single_process="", trl=True),
+    ReplaySpec("old", "R2", forces=OLD_FORWARD, predictor=False, single_process="", trl=True, color="#E69F00"),
+    ReplaySpec("rollout", "R3", forces=ROLLOUT, predictor=False, single_process="", trl=True, color="#CC79A7"),
     # a simplified PR2 (moe_lab/routing/predictor.py): R3 of a rollout routed by a prediction of the next router
-    ReplaySpec("predictive", "PR2", forces=ROLLOUT, predictor=True, single_process=_PR2_SINGLE, trl=False),
+    ReplaySpec("predictive", "PR2", forces=ROLLOUT, predictor=True, single_process=_PR2_SINGLE, trl=False,
+               color="#7F3F63"),
 )
 
 # TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5. MIS follows the
 # blog's rho 1[rho <= C] (upper only; a lower bound may be given).
 _CORRECTION_ROWS = (
     CorrectionSpec("none", "", level=None, action=None, lower=None, upper=None),
-    CorrectionSpec("tis_token", "TIS", level=TOKEN, action=TRUNCATE, lower=None, upper=2.0),
-    CorrectionSpec("tis_seq", "TIS-seq", level=SEQUENCE, action=TRUNCATE, lower=None, upper=2.0),
-    CorrectionSpec("mis_token", "MIS", level=TOKEN, action=MASK, lower=None, upper=2.0),
-    CorrectionSpec("mis_seq", "MIS-seq", level=SEQUENCE, action=MASK, lower=None, upper=2.0),
-    CorrectionSpec("icepop", "IcePop", level=TOKEN, action=MASK, lower=0.5, upper=5.0),
+    CorrectionSpec("tis_token", "TIS", level=TOKEN, action=TRUNCATE, lower=None, upper=2.0, color="#B8A000"),
+    CorrectionSpec("tis_seq", "TIS-seq", level=SEQUENCE, action=TRUNCATE, lower=None, upper=2.0, color="#7A6A00"),
+    CorrectionSpec("mis_token", "MIS", level=TOKEN, action=MASK, lower=None, upper=2.0, color="#5C5C5C"),
+    CorrectionSpec("mis_seq", "MIS-seq", level=SEQUENCE, action=MASK, lower=None, upper=2.0, color="#3D3D3D"),
+    CorrectionSpec("icepop", "IcePop", level=TOKEN, action=MASK, lower=0.5, upper=5.0, color="#8C8C8C"),
 )
 
 

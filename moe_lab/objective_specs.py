@@ -12,6 +12,7 @@ forgets one fails at import too. Adding an objective = its function in algos/obj
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 
@@ -44,6 +45,12 @@ class Knobs:
         return {f"{self.prefix}_{k.name}": k for k in self.knobs}
 
 
+def check_color(color: str | None, owner: str) -> None:
+    """A declared figure colour is "#RRGGBB" (or None where the row declares none)."""
+    if color is not None and re.fullmatch(r"#[0-9A-Fa-f]{6}", str(color)) is None:
+        raise ValueError(f"{owner}: color={color!r}, expected '#RRGGBB'")
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """One objective. Traits (all required):
@@ -57,6 +64,8 @@ class ObjectiveSpec:
       (the others: GRPO's paper range).
     sequence_level: one ratio per sequence built as a geometric mean of token ratios (rollout-correction
       weights are folded the same way).
+    color: its plain arm's colour in figures ("#RRGGBB"; arm presets with a replay or correction mode derive
+      theirs from it and the modes': launch/compose.py); None: figures pick one by name.
     """
 
     name: str
@@ -67,8 +76,10 @@ class ObjectiveSpec:
     token_clip: bool
     sequence_level: bool
     knobs: Knobs | None = None
+    color: str | None = None
 
     def __post_init__(self):
+        check_color(self.color, f"objective spec {self.name!r}")
         traits = (self.ppo_clip, self.clip_low_unbounded, self.token_clip, self.sequence_level)
         if not all(isinstance(t, bool) for t in traits):
             raise TypeError(f"objective spec {self.name!r}: every trait must be True or False, got {traits}")
@@ -94,35 +105,35 @@ _DPPO_KNOBS = Knobs("dppo", (
 _DPPO = dict(ppo_clip=False, clip_low_unbounded=True, token_clip=False, sequence_level=False, knobs=_DPPO_KNOBS)
 
 _ROWS = (
-    ObjectiveSpec("grpo", "GRPO", _GRPO_CLIP, **_PPO, token_clip=True),
-    ObjectiveSpec("gspo", "GSPO", _GSPO_CLIP, **_PPO, token_clip=False),
-    ObjectiveSpec("gspo_token", "GSPO-token", _GSPO_CLIP, **_PPO, token_clip=False),
-    ObjectiveSpec("gspo_unnormalized", "GSPO (no 1/|y|)", _GSPO_CLIP, **_PPO, token_clip=False),
+    ObjectiveSpec("grpo", "GRPO", _GRPO_CLIP, **_PPO, token_clip=True, color="#D55E00"),
+    ObjectiveSpec("gspo", "GSPO", _GSPO_CLIP, **_PPO, token_clip=False, color="#0072B2"),
+    ObjectiveSpec("gspo_token", "GSPO-token", _GSPO_CLIP, **_PPO, token_clip=False, color="#56B4E9"),
+    ObjectiveSpec("gspo_unnormalized", "GSPO (no 1/|y|)", _GSPO_CLIP, **_PPO, token_clip=False, color="#000000"),
     # SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
     ObjectiveSpec("sapo", "SAPO", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=True,
                   sequence_level=False, knobs=Knobs("sapo", (
                       Knob("tau_pos", 1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0),
                       Knob("tau_neg", 1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)",
-                           gt=0.0)))),
+                           gt=0.0))), color="#00704F"),
     # CISPO: no lower bound on its IS weight (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper
     # publishing none.
     ObjectiveSpec("cispo", "CISPO", (1.0, 0.28), ppo_clip=False, clip_low_unbounded=True, token_clip=True,
-                  sequence_level=False),
+                  sequence_level=False, color="#7F5200"),
     # GMPO/RSPO: +-0.4 on the LOG ratio, clipped inside a geometric mean.
     ObjectiveSpec("gmpo", "GMPO", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
-                  sequence_level=True),
+                  sequence_level=True, color="#004C7F"),
     # RSPO (arXiv:2510.23027) floors gamma so a token whose old experts moved is down-weighted, never
     # dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
     # our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
     ObjectiveSpec("rspo", "RSPO", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
                   sequence_level=True, knobs=Knobs("rspo", (
                       Knob("floor", 0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma "
-                                         "but gives no value we could read; 0.5 is ours)", gt=0.0, le=1.0),))),
-    ObjectiveSpec("dppo_tv", "DPPO-TV", (0.15, 0.15), **_DPPO),
-    ObjectiveSpec("dppo_kl", "DPPO-KL", (0.05, 0.05), **_DPPO),
+                                         "but gives no value we could read; 0.5 is ours)", gt=0.0, le=1.0),)), color="#5A2D7F"),
+    ObjectiveSpec("dppo_tv", "DPPO-TV", (0.15, 0.15), **_DPPO, color="#F0E442"),
+    ObjectiveSpec("dppo_kl", "DPPO-KL", (0.05, 0.05), **_DPPO, color="#A8A030"),
     # LUSPO (arXiv:2602.05261) is GSPO with a length factor: GSPO's range.
     ObjectiveSpec("luspo", "LUSPO", _GSPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
-                  sequence_level=False),
+                  sequence_level=False, color="#2F6F8F"),
     # VESPO's kernel shape: TRL's GRPOConfig defaults (vespo_k_pos ...). k = 0 is allowed (no suppression of
     # small W); lambda = 0 would make phi grow without bound. No clip: GRPO's range for the metrics.
     ObjectiveSpec("vespo", "VESPO", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
@@ -130,7 +141,8 @@ _ROWS = (
                       Knob("k_pos", 2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0),
                       Knob("lambda_pos", 3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0),
                       Knob("k_neg", 3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0),
-                      Knob("lambda_neg", 2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)))),
+                      Knob("lambda_neg", 2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0))),
+                  color="#9E3D00"),
 )
 
 

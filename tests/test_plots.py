@@ -61,6 +61,43 @@ def test_arm_colours_are_fixed_okabe_ito_and_distinct():
     assert plots.arm_color("my_new_arm") in plots.OKABE_ITO
 
 
+def test_preset_colours_come_from_the_objective_and_mode_tables():
+    """A GRPO preset shows its mode's hue, another objective's preset mixes the mode's hue with its own (so that
+    GSPO + R3 is neither GSPO nor GRPO + R3), and no two presets of the paper's modes share a colour."""
+    from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+    from moe_lab.objective_specs import OBJECTIVE_SPECS
+
+    assert plots.arm_color("gspo") == OBJECTIVE_SPECS["gspo"].color
+    assert plots.arm_color("grpo_r3") == REPLAY_SPECS["rollout"].color
+    assert plots.arm_color("grpo_tis") == ROLLOUT_CORRECTION_SPECS["tis_token"].color
+    gspo_r3 = plots.arm_color("gspo_r3")
+    assert gspo_r3 not in (plots.arm_color("gspo"), plots.arm_color("grpo_r3"))
+    rgb = [[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in (plots.arm_color("gspo"), plots.arm_color("grpo_r3"))]
+    assert [int(gspo_r3[i:i + 2], 16) for i in (1, 3, 5)] == [round((a + b) / 2) for a, b in zip(*rgb)]
+    arms = [f"{algo}{suffix}" for algo in ("grpo", "gspo") for suffix in ("", "_r2", "_r3", "_tis", "_icepop")]
+    assert len({plots.arm_color(a) for a in arms}) == len(arms)
+
+
+def test_a_variant_of_a_preset_takes_its_colour_and_a_line_style_of_its_own():
+    arms = ["grpo_r2_mb1", "grpo_r2_mb2", "grpo_r2_mb4", "grpo_r3_mb4"]
+    assert plots.arm_family("grpo_r2_mb4") == ("grpo_r2", "mb4") and plots.arm_family("grpo_r2w") == ("grpo_r2w", "")
+    assert {plots.arm_color(a) for a in arms[:3]} == {plots.arm_color("grpo_r2")} != {plots.arm_color(arms[3])}
+    assert [plots.arm_linestyle(a, arms) for a in arms] == ["-", "--", ":", "-"]
+    assert plots.arm_label("grpo_r2_mb4") == "GRPO + R2 replay (mb4)"
+    assert plots.arm_label("grpo_r2_mb4__rl.lr=0.001") == "GRPO + R2 replay (mb4, lr=0.001)"
+
+
+@pytest.mark.parametrize("bad", ["red", "#12345", "#GG0000"])
+def test_a_spec_colour_must_be_rgb_hex(bad):
+    from moe_lab.mode_specs import ReplaySpec
+    from moe_lab.objective_specs import check_color
+
+    with pytest.raises(ValueError, match="#RRGGBB"):
+        check_color(bad, "x")
+    with pytest.raises(ValueError, match="#RRGGBB"):
+        ReplaySpec("x", "R9", forces="rollout", predictor=False, single_process="", trl=True, color=bad)
+
+
 def test_a_new_arms_colour_is_the_same_in_every_process():
     """Not Python's hash(): str hashes are salted per process, so a figure redrawn later would recolour."""
     import subprocess

@@ -20,16 +20,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from moe_lab.analysis import results
-from moe_lab.launch.compose import preset_label
+from moe_lab.launch.compose import preset_arm_color, preset_label
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
-ARM_COLORS = {"grpo": "#D55E00", "grpo_r2": "#E69F00", "grpo_r2w": "#8F5F00", "grpo_r3": "#CC79A7", "gspo": "#0072B2",
-              "gspo_token": "#56B4E9", "gspo_r2": "#009E73", "gspo_unnormalized": "#000000",
-              # the stabilizers: Okabe-Ito runs out at 8, so these take darker/lighter tones of its hues
-              "sapo": "#00704F", "cispo": "#7F5200", "gmpo": "#004C7F", "rspo": "#5A2D7F",
-              "grpo_icepop": "#8C8C8C", "grpo_tis": "#B8A000"}
-# Labels of the arms that are no preset (a preset's label is built from the objective and mode tables:
-# launch/compose.py).
+# The arms that are no preset (a preset's colour and label are built from the objective and mode tables:
+# launch/compose.py); any other arm takes an Okabe-Ito colour by its name.
+ARM_COLORS = {"grpo_r2w": "#8F5F00"}
 ARM_LABELS = {"grpo_r2w": "GRPO + R2 replay + gate weights"}
 PAPER_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_token")
 STYLE = {"axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
@@ -51,26 +47,38 @@ def styled(fn):
     return wrapper
 
 
-def arm_color(arm: str) -> str:
-    """A fixed colour per arm; a sweep arm ('grpo__rl.clip_low=0.1') takes its base arm's colour."""
+def arm_family(arm: str) -> tuple[str, str]:
+    """(the arm's preset or named arm, its variant tag): 'grpo_r2_mb4__rl.lr=1e-4' -> ('grpo_r2', 'mb4'), the
+    longest preset the base name extends by '_<tag>'; a name that extends no preset is its own family."""
     base = results.base_arm(arm)
-    return ARM_COLORS.get(base) or OKABE_ITO[zlib.crc32(base.encode()) % len(OKABE_ITO)]
+    if base in ARM_COLORS or preset_arm_color(base) is not None:
+        return base, ""
+    heads = [base[:i] for i, ch in enumerate(base) if ch == "_" and preset_arm_color(base[:i]) is not None]
+    return (heads[-1], base[len(heads[-1]) + 1:]) if heads else (base, "")
+
+
+def arm_color(arm: str) -> str:
+    """A fixed colour per arm family (``arm_family``): a sweep arm ('grpo__rl.clip_low=0.1') or a variant
+    ('grpo_r2_mb4') takes its preset's colour (launch/compose.py), and line styles tell them apart."""
+    family, _ = arm_family(arm)
+    return preset_arm_color(family) or ARM_COLORS.get(family) or OKABE_ITO[zlib.crc32(family.encode()) % len(OKABE_ITO)]
 
 
 def arm_label(arm: str, wrap: bool = False) -> str:
-    """'GRPO', or 'GRPO (clip_low=0.1, clip_high=0.13)' for a sweep arm (second line with wrap=True)."""
-    base, _, sweep = str(arm).partition("__")
-    label = preset_label(base) or ARM_LABELS.get(base, base)
-    if not sweep:
-        return label
-    points = ", ".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, _, value in
-                       (p.partition("=") for p in sweep.split("__")))
-    return f"{label}{chr(10) if wrap else ' '}({points})"
+    """'GRPO', 'GRPO + R2 replay (mb4)' for a variant of a preset, or 'GRPO (clip_low=0.1, clip_high=0.13)' for a
+    sweep arm (second line with wrap=True)."""
+    family, tag = arm_family(arm)
+    label = preset_label(family) or ARM_LABELS.get(family, family)
+    sweep = str(arm).partition("__")[2]
+    points = ", ".join([tag] * bool(tag) + [f"{key.rsplit('.', 1)[-1]}={value}" for key, _, value in
+                                            (p.partition("=") for p in sweep.split("__")) if sweep])
+    return f"{label}{chr(10) if wrap else ' '}({points})" if points else label
 
 
 def arm_linestyle(arm: str, arms: Sequence[str]) -> str:
-    """Solid for a plain arm; sweep points of one base arm share its colour and differ by line style."""
-    siblings = [a for a in arms if results.base_arm(a) == results.base_arm(arm)]
+    """Solid for a plain arm; the sweep points and variants of one family share its colour and differ by line
+    style."""
+    siblings = [a for a in arms if arm_family(a)[0] == arm_family(arm)[0]]
     return LINESTYLES[siblings.index(arm) % len(LINESTYLES)] if arm in siblings else "-"
 
 

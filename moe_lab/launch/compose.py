@@ -49,10 +49,30 @@ class ArmPreset:
     label: str
     """e.g. "GRPO + R3 replay": the objective's label, then the replay's and the correction's"""
     overrides: dict
+    color: str | None
+    """its colour in figures (``preset_color``), None where the objective declares none"""
 
 
 def _suffix(label: str) -> str:
     return "_" + label.lower().replace("-", "_") if label else ""
+
+
+def _mix(colors: list[str]) -> str:
+    """The mean of "#RRGGBB" colours, channel by channel."""
+    channels = [[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in colors]
+    return "#" + "".join(f"{round(sum(ch) / len(ch)):02X}" for ch in zip(*channels))
+
+
+def preset_color(algo: str, replay: str, correction: str) -> str | None:
+    """A preset's colour from the three tables: the objective's own without a mode; with modes, their hue (mixed
+    when there are two). The papers compare the modes on GRPO (the objective table's first row), so its presets
+    show the mode's hue as it is and another objective's is mixed half with the objective's colour."""
+    obj = OBJECTIVE_SPECS[algo]
+    modes = [c for c in (REPLAY_SPECS[replay].color, ROLLOUT_CORRECTION_SPECS[correction].color) if c]
+    if obj.color is None or not modes:
+        return obj.color
+    hue = _mix(modes)
+    return hue if algo == next(iter(OBJECTIVE_SPECS)) else _mix([hue, obj.color])
 
 
 @functools.cache
@@ -64,7 +84,8 @@ def arm_presets() -> dict[str, ArmPreset]:
             for corr, c in ROLLOUT_CORRECTION_SPECS.items():
                 name = algo + _suffix(r.label) + _suffix(c.label)
                 label = obj.label + (f" + {r.label} replay" if r.label else "") + (f" + {c.label}" if c.label else "")
-                out[name] = ArmPreset(name, label, {"rl": {"algo": algo, "replay": replay, "rollout_correction": corr}})
+                out[name] = ArmPreset(name, label, {"rl": {"algo": algo, "replay": replay, "rollout_correction": corr}},
+                                      preset_color(algo, replay, corr))
     return out
 
 
@@ -72,6 +93,12 @@ def preset_label(arm_base: str) -> str | None:
     """The preset's label of an arm base name, None when the name is no preset."""
     preset = arm_presets().get(arm_base)
     return preset.label if preset else None
+
+
+def preset_arm_color(arm_base: str) -> str | None:
+    """The preset's colour of an arm base name, None when the name is no preset (or declares no colour)."""
+    preset = arm_presets().get(arm_base)
+    return preset.color if preset else None
 
 
 def organism_names() -> list[str]:
