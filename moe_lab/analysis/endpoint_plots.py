@@ -21,8 +21,8 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from moe_lab.analysis import endpoints, results
-from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_order, band, figure_legend, new_figure,
-                                    styled)
+from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_linestyle, arm_order, band, figure_legend,
+                                    new_figure, styled)
 from moe_lab.launch.experiment import EndpointSpec
 from moe_lab.launch.spec import parse_experiment
 from moe_lab.rl.run_folder import ResultsFolder, as_results
@@ -79,7 +79,7 @@ def _panel(ax, table: pd.DataFrame, run_values: pd.Series, arms: Sequence[str], 
     for arm in arms:
         rows = table[table["arm_base"] == arm]
         if rows["mean"].notna().any():
-            band(ax, rows, arm_label(arm), arm_color(arm))
+            band(ax, rows, arm_label(arm), arm_color(arm), linestyle=arm_linestyle(arm, arms))
     ax.set(xlabel=STEP, ylabel=ylabel)
     # A t band of two or three seeds (a folder still running) reaches far past any seed's value (accuracy 1.5):
     # the axis stops a little beyond the values the runs took, so the curves stay readable.
