@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from moe_lab.analysis import results
-from moe_lab.launch.compose import preset_arm_color, preset_label
+from moe_lab.launch.compose import arm_preset
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
 # The arms that are no preset (a preset's colour and label are built from the objective and mode tables:
@@ -51,9 +51,9 @@ def arm_family(arm: str) -> tuple[str, str]:
     """(the arm's preset or named arm, its variant tag): 'grpo_r2_mb4__rl.lr=1e-4' -> ('grpo_r2', 'mb4'), the
     longest preset the base name extends by '_<tag>'; a name that extends no preset is its own family."""
     base = results.base_arm(arm)
-    if base in ARM_COLORS or preset_arm_color(base) is not None:
+    if base in ARM_COLORS or arm_preset(base) is not None:
         return base, ""
-    heads = [base[:i] for i, ch in enumerate(base) if ch == "_" and preset_arm_color(base[:i]) is not None]
+    heads = [base[:i] for i, ch in enumerate(base) if ch == "_" and arm_preset(base[:i]) is not None]
     return (heads[-1], base[len(heads[-1]) + 1:]) if heads else (base, "")
 
 
@@ -61,14 +61,16 @@ def arm_color(arm: str) -> str:
     """A fixed colour per arm family (``arm_family``): a sweep arm ('grpo__rl.clip_low=0.1') or a variant
     ('grpo_r2_mb4') takes its preset's colour (launch/compose.py), and line styles tell them apart."""
     family, _ = arm_family(arm)
-    return preset_arm_color(family) or ARM_COLORS.get(family) or OKABE_ITO[zlib.crc32(family.encode()) % len(OKABE_ITO)]
+    preset = arm_preset(family)
+    return (preset and preset.color) or ARM_COLORS.get(family) or OKABE_ITO[zlib.crc32(family.encode()) % len(OKABE_ITO)]
 
 
 def arm_label(arm: str, wrap: bool = False) -> str:
     """'GRPO', 'GRPO + R2 replay (mb4)' for a variant of a preset, or 'GRPO (clip_low=0.1, clip_high=0.13)' for a
     sweep arm (second line with wrap=True)."""
     family, tag = arm_family(arm)
-    label = preset_label(family) or ARM_LABELS.get(family, family)
+    preset = arm_preset(family)
+    label = preset.label if preset else ARM_LABELS.get(family, family)
     sweep = str(arm).partition("__")[2]
     points = ", ".join([tag] * bool(tag) + [f"{key.rsplit('.', 1)[-1]}={value}" for key, _, value in
                                             (p.partition("=") for p in sweep.split("__")) if sweep])

@@ -89,16 +89,9 @@ def arm_presets() -> dict[str, ArmPreset]:
     return out
 
 
-def preset_label(arm_base: str) -> str | None:
-    """The preset's label of an arm base name, None when the name is no preset."""
-    preset = arm_presets().get(arm_base)
-    return preset.label if preset else None
-
-
-def preset_arm_color(arm_base: str) -> str | None:
-    """The preset's colour of an arm base name, None when the name is no preset (or declares no colour)."""
-    preset = arm_presets().get(arm_base)
-    return preset.color if preset else None
+def arm_preset(arm_base: str) -> ArmPreset | None:
+    """The preset an arm base name is, None when it is no preset."""
+    return arm_presets().get(arm_base)
 
 
 def organism_names() -> list[str]:
