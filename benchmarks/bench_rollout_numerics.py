@@ -9,6 +9,11 @@ max_new_tokens, from the same randomly initialised weights: the cost, not the sa
 wall time over the repeats and the ratios of the CPU time to bf16's and fp32's (CPU time: the machine is shared
 and a busy neighbour stretches the wall time, much less the CPU time of a one-thread process).
 
+Then, per emulated setting, what stands in the way of its cost: the seconds inside the one-row kernel that fixes
+its bits (numerics.row_gemm, timed per call in the last repeat), that kernel's GFLOP/s, the same GEMMs (every
+call's M x K x N) through torch.mm (the platform's GEMM: other bits, batch-dependent), and the rollout as it would
+cost with the row kernel at torch.mm's speed, against bf16.
+
     python benchmarks/bench_rollout_numerics.py [--repeats 5]
 """
 
@@ -18,13 +23,14 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections import Counter
 
 import numpy as np
 import torch
 
 from moe_lab.cli import builtin_experiment
 from moe_lab.launch.experiment import expand
-from moe_lab.models import build_model
+from moe_lab.models import build_model, numerics
 from moe_lab.rl.loop import make_rollout_policy
 from moe_lab.tasks import get_task
 
@@ -50,14 +56,17 @@ def main() -> None:
     new = task.max_new_tokens
     cpu: dict[str, list[float]] = {name: [] for name in SETTINGS}
     wall: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    for _ in range(args.repeats):
+    kernel = RowKernelTimer()
+    for repeat in range(args.repeats):
         for name, model in models.items():
+            kernel.start(name if repeat == args.repeats - 1 else None)
             c0, w0 = time.process_time(), time.perf_counter()
             with torch.no_grad():
                 model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                pad_token_id=task.tokenizer.pad_token_id, eos_token_id=task.tokenizer.eos_token_id)
             cpu[name].append(time.process_time() - c0)
             wall[name].append(time.perf_counter() - w0)
+    kernel.start(None)
     med = {name: statistics.median(v) for name, v in cpu.items()}
     print(f"rollout: {len(prompts)} sequences, prompt {enc['input_ids'].shape[1]} + {new} new tokens, "
           f"{args.repeats} interleaved repeats, 1 thread")
@@ -65,6 +74,49 @@ def main() -> None:
     for name in SETTINGS:
         print(f"{name:<22} {med[name]:6.2f} {statistics.median(wall[name]):6.2f} {med[name] / med['bf16']:6.2f} "
               f"{med[name] / med['fp32']:6.2f}")
+    print(f"\n{'setting':<22} {'row kernel s':>12} {'GFLOP':>6} {'GFLOP/s':>8} {'as torch.mm s':>13} {'GFLOP/s':>8} "
+          f"{'mm-speed / bf16':>15}")
+    for name, (secs, shapes) in kernel.seen.items():
+        gflop = sum(2 * m * k * n * c for (m, k, n), c in shapes.items()) / 1e9
+        mm = mm_seconds(shapes)
+        print(f"{name:<22} {secs:12.3f} {gflop:6.2f} {gflop / secs:8.1f} {mm:13.3f} {gflop / mm:8.1f} "
+              f"{(med[name] - secs + mm) / med['bf16']:15.2f}")
+
+
+class RowKernelTimer:
+    """Times numerics.row_gemm and counts its (M, K, N) calls for one named setting at a time. A benchmark's
+    instrument: it swaps the module's function (the emulated forwards look it up per call) and puts it back."""
+
+    def __init__(self):
+        self.kernel, self.name = numerics.row_gemm, None
+        self.seen: dict[str, tuple[float, Counter]] = {}
+
+    def start(self, name: str | None) -> None:
+        self.name = name
+        numerics.row_gemm = self.timed if name else self.kernel
+
+    def timed(self, x_RK, w_NK):
+        t0 = time.perf_counter()
+        y = self.kernel(x_RK, w_NK)
+        secs, shapes = self.seen.get(self.name, (0.0, Counter()))
+        shapes[(x_RK.shape[0], x_RK.shape[1], w_NK.shape[0])] += 1
+        self.seen[self.name] = (secs + time.perf_counter() - t0, shapes)
+        return y
+
+
+def mm_seconds(shapes: Counter, repeats: int = 3) -> float:
+    """The seconds torch.mm takes for these GEMMs (fp32, each shape timed ``repeats`` times, the fastest kept)."""
+    total = 0.0
+    for (m, k, n), count in shapes.items():
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(count):
+                x @ w.t()
+            best = min(best, time.perf_counter() - t0)
+        total += best
+    return total
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 
 from moe_lab.config import ConfigError, ModelConfig, RLConfig, RunConfig, TaskConfig, validate
 from moe_lab.models import build_model
-from moe_lab.models.numerics import BLOCK, FP8_MAX, RolloutNumerics, fake_quant, split_k_chunks
+from moe_lab.models.numerics import BLOCK, FP8_MAX, RolloutNumerics, e4m3_to_float32, fake_quant, split_k_chunks
 from moe_lab.rl import seeds
 from moe_lab.rl.coldstart import cache_key
 from moe_lab.rl.collect import collect, routing_ctx
@@ -47,6 +47,22 @@ def test_grid_is_e4m3s_range():
     grid, _ = e4m3_grid()
     assert max(grid) == FP8_MAX == torch.finfo(torch.float8_e4m3fn).max
     assert min(g for g in grid if g > 0) == 2.0 ** -9 == torch.finfo(torch.float8_e4m3fn).smallest_normal / 8
+
+
+def test_e4m3_table_decodes_every_bit_pattern_as_the_format_defines():
+    """The float8 -> float32 table lookup fake_quant uses: bit pattern S.EEEE.MMM (e4m3_grid's order) is
+    (-1)^S times the grid's value, S.1111.111 is NaN, and any shape and layout comes back as it went in."""
+    grid, _ = e4m3_grid()
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = e4m3_to_float32(codes.view(torch.float8_e4m3fn)).tolist()
+    for code in range(256):
+        if code & 0x7F == 0x7F:
+            assert math.isnan(got[code])
+        else:
+            assert got[code] == math.copysign(grid[code & 0x7F], -1.0 if code & 0x80 else 1.0)
+    q = (torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(2)) * 50).to(torch.float8_e4m3fn)
+    for view in (q, q.transpose(0, 2), q[:, 1:4, ::2]):
+        assert torch.equal(e4m3_to_float32(view), view.to(torch.float32))
 
 
 # amax 448 makes the scale exactly 1: ties to even (1.0625, 1.1875, 1.5 * 2^-9), subnormals (2^-9 and below half

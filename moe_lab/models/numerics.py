@@ -67,9 +67,22 @@ def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int = BLOCK) -> tor
     blocks = padded.reshape(n, (r + pr) // block_rows, block_rows, (c + pc) // block_cols, block_cols)
     amax = blocks.abs().amax(dim=(2, 4), keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32).mul_(scale)
+    q = e4m3_to_float32((blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)).mul_(scale)
     q = q.reshape(n, r + pr, c + pc)
     return (q[:, :r, :c] if pr or pc else q).reshape(shape)
+
+
+# Every float8_e4m3fn bit pattern's float32 value, from torch's own conversion (so the same bits, NaNs included).
+# Why a table: on CPU (torch 2.13) the float8 -> float32 cast runs element by element, 1.2 ms for 295k values,
+# most of fake_quant's time; a gather from this table took 0.18 ms.
+_E4M3_FLOAT32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def e4m3_to_float32(q: torch.Tensor) -> torch.Tensor:
+    """``q.to(torch.float32)`` of float8_e4m3fn values, bit for bit (a table lookup on CPU)."""
+    if q.device.type != "cpu":
+        return q.to(torch.float32)
+    return _E4M3_FLOAT32.index_select(0, q.view(torch.uint8).reshape(-1).int()).view(q.shape)
 
 
 def quant_act(x: torch.Tensor) -> torch.Tensor:
