@@ -8,10 +8,7 @@ Nothing here imports torch or the runner: a config can be checked before any wor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +16,7 @@ import yaml
 
 from moe_lab import constants as C
 from moe_lab import config_checks
+from moe_lab.config_fields import allowed, check_field, hints, walk
 from moe_lab.config_sections import RL_SECTIONS, sectioned, view
 from moe_lab.errors import ConfigError
 from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
@@ -283,69 +281,10 @@ def resolved_clip(rl: RLConfig) -> tuple[float, float]:
 # --------------------------------------------------------------------------- validation
 
 
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_type_ok(v, typing.get_args(tp)[0]) for v in value)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _allowed(meta: dict) -> str:
-    if meta.get("choices"):
-        return ("a list of " if meta.get("is_list") else "one of ") + ", ".join(map(str, meta["choices"]))
-    parts = [f"{op} {meta[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if meta.get(k) is not None]
-    return " and ".join(parts) or "any value of the declared type"
-
-
-def _check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
-    if not _type_ok(value, tp):
-        raise ConfigError(f"{name}: expected {tp}, got {value!r}")
-    if value is None:
-        return
-    if isinstance(value, list):
-        bad = [v for v in value if meta.get("choices") and v not in meta["choices"]]
-        if bad:
-            raise ConfigError(f"{name}={value!r}: {bad[0]!r} is not allowed: allowed {_allowed(meta)}")
-        return
-    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-        # training is fp32: a larger value is inf there and fails only after the cold start
-        raise ConfigError(f"{name}={value!r} is out of range: allowed a finite float32 number ({_allowed(meta)})")
-    bad = (meta.get("choices") and value not in meta["choices"]) \
-        or (meta.get("ge") is not None and value < meta["ge"]) or (meta.get("gt") is not None and value <= meta["gt"]) \
-        or (meta.get("le") is not None and value > meta["le"]) or (meta.get("lt") is not None and value >= meta["lt"])
-    if bad:
-        raise ConfigError(f"{name}={value!r} is out of range: allowed {_allowed(meta)}")
-
-
-# resolving string annotations costs ~0.3 ms a class, and `moe-lab list` validates ~1000 cells of 8 classes each
-_hints = functools.cache(typing.get_type_hints)
-
-
-def _walk(cfg: Any, prefix: str = ""):
-    hints = _hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _walk(value, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", value, hints[f.name], dict(f.metadata)
-
-
 def validate(cfg: RunConfig) -> RunConfig:
     """Check every field, then the cross-field checks; raise ConfigError naming the first bad field."""
-    for name, value, tp, meta in _walk(cfg):
-        _check_field(name, value, tp, meta)
+    for name, value, tp, meta in walk(cfg):
+        check_field(name, value, tp, meta)
     m, rl = cfg.model, cfg.rl
     if m.top_k > m.num_experts:
         raise ConfigError(f"model.top_k={m.top_k} is out of range: allowed 1 <= top_k <= model.num_experts={m.num_experts}")
@@ -382,7 +321,7 @@ def to_dict(cfg: Any) -> dict:
 def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any:
     """Build a dataclass from a (YAML) dict; unknown keys are errors that name the allowed ones."""
     data = dict(data or {})
-    hints = _hints(cls)
+    field_hints = hints(cls)
     kwargs = {}
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -391,7 +330,7 @@ def from_dict(data: dict | None, cls: type = RunConfig, prefix: str = "") -> Any
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue
-        tp = hints[f.name]
+        tp = field_hints[f.name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(data[f.name], dict):
                 raise ConfigError(f"{prefix}{f.name}: expected a mapping of fields, got {data[f.name]!r}")
@@ -408,11 +347,11 @@ def dump_yaml(cfg: Any) -> str:
 def field_table(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(name, default, allowed, help) for every field: docs/config.md's config table is generated from this."""
     rows = []
-    hints = _hints(cls)
+    field_hints = hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            rows += field_table(hints[f.name], f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(field_hints[f.name]):
+            rows += field_table(field_hints[f.name], f"{prefix}{f.name}.")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((f"{prefix}{f.name}", repr(default), _allowed(dict(f.metadata)), f.metadata.get("help", "")))
+        rows.append((f"{prefix}{f.name}", repr(default), allowed(dict(f.metadata)), f.metadata.get("help", "")))
     return rows
