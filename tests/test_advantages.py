@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_lab.algos.advantages import group_advantages
-from moe_lab.constants import WHITEN_MODES
+from moe_lab.config.constants import WHITEN_MODES
 
 FAST = settings(max_examples=25, deadline=None)
 rewards_st = st.lists(st.sampled_from([0.0, 0.5, 1.0, -1.0, 3.25]), min_size=1, max_size=6)

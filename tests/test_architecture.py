@@ -18,8 +18,7 @@ from recipes import recipe_new_files
 
 PKG = Path(moe_lab.__file__).resolve().parent
 # layer of each top-level part of moe_lab: a module may import from its own layer or a lower one
-LAYERS = {"errors": 0, "constants": 0, "objective_specs": 0, "mode_specs": 0, "yaml_io": 0, "config_checks": 0, "config_legacy": 0,
-          "config_sections": 0, "config_fields": 0, "config": 1, "algos": 2, "models": 2, "routing": 3,
+LAYERS = {"config": 1, "algos": 2, "models": 2, "routing": 3,
           "tasks": 2, "formats": 4, "rl": 4, "launch": 5, "analysis": 5, "audit": 6, "train": 7, "cli": 7, "commands": 7,
           "integrations": 8}
 

@@ -15,8 +15,8 @@ from moe_lab.cli import read_experiment
 from moe_lab.config import ConfigError
 from moe_lab.launch.compose import arm_presets, compose, load_organism, organism_names
 from moe_lab.launch.experiment import expand
-from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
-from moe_lab.objective_specs import OBJECTIVE_SPECS
+from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""The sections of rl (moe_lab/config_sections.py): a class whose fields are not each in exactly one section is
+"""The sections of rl (moe_lab/config/sections.py): a class whose fields are not each in exactly one section is
 refused at import, and a section's view carries the config's own values."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from moe_lab.config import RLConfig, apply_overrides, from_dict, validate
-from moe_lab.config_sections import RL_SECTIONS, sectioned
+from moe_lab.config.sections import RL_SECTIONS, sectioned
 
 
 def _toy(sections, extra=None):

@@ -1,10 +1,11 @@
-"""Each registry holds exactly the names of moe_lab/constants.py, which the config accepts."""
+"""Each registry holds exactly the names of moe_lab/config/constants.py, which the config accepts."""
 
 import dataclasses
 import subprocess
 import sys
 
-from moe_lab import config, constants as C
+from moe_lab import config
+from moe_lab.config import constants as C
 from moe_lab.algos.objectives import OBJECTIVES
 from moe_lab.algos.rollout_correction import DEFAULT_BOUNDS, MODES
 from moe_lab.tasks import TASKS
@@ -39,5 +40,5 @@ def test_config_choices_are_the_constants():
 
 
 def test_constants_and_config_import_without_torch():
-    code = "import sys, moe_lab.constants, moe_lab.config; assert 'torch' not in sys.modules"
+    code = "import sys, moe_lab.config.constants, moe_lab.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,7 +14,7 @@ import torch
 from moe_lab.commands.config_table import config_table as _config_table
 from moe_lab.launch.experiment import expand
 from moe_lab.algos.losses import policy_loss
-from moe_lab.yaml_io import load_yaml
+from moe_lab.config.yaml_io import load_yaml
 from recipes import recipe_new_files
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from test_train import kill_and_resume, tiny
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.config import ConfigError, ModelConfig, validate
 from moe_lab.models import build_model, correction_biases, moe_layers
 from moe_lab.models.families import FAMILIES

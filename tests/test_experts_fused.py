@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.config import ModelConfig
 from moe_lab.models import build_model, load_model, moe_layers
 from moe_lab.models import experts as experts_module

@@ -14,7 +14,7 @@ OBJECTIVE_CHECK = textwrap.dedent("""
     import torch
     import moe_lab
     assert moe_lab.__file__.startswith(sys.argv[1]), moe_lab.__file__  # the copy, not the checkout
-    from moe_lab import constants as C
+    from moe_lab.config import constants as C
     from moe_lab.config import ConfigError, RLConfig, field_table, from_dict, resolved_clip, validate
     from moe_lab.algos.losses import policy_loss
     from moe_lab.algos.objectives import OBJECTIVES, knob_names
@@ -55,7 +55,7 @@ OBJECTIVE_CHECK = textwrap.dedent("""
 
 def test_the_new_objective_recipe(tmp_path):
     pkg = copy_package(tmp_path)
-    insert(pkg / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + block("objective-row").rstrip("\n"),
+    insert(pkg / "config" / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + block("objective-row").rstrip("\n"),
             before=True)
     insert(pkg / "algos" / "objectives.py", "OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()",
             block("objective-function") + "\n\n", before=True)
@@ -67,7 +67,7 @@ def test_the_new_objective_recipe(tmp_path):
 def test_half_a_new_objective_fails_at_import(tmp_path, missing):
     pkg = copy_package(tmp_path)
     if missing == "function":
-        insert(pkg / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + block("objective-row").rstrip("\n"),
+        insert(pkg / "config" / "objective_specs.py", "\n)\n\n\ndef spec_table(", "\n" + block("objective-row").rstrip("\n"),
                 before=True)
     else:
         insert(pkg / "algos" / "objectives.py", "OBJECTIVES: dict[str, Objective] = _REGISTRY.complete()",
@@ -81,7 +81,7 @@ def test_the_new_command_recipe(tmp_path):
     write_new_file(pkg.parent, "command-module")
     insert(pkg / "cli.py", '    "moe_lab.commands.list_experiments",\n', block("command-line"), before=False)
     done = run_python(tmp_path, ["-m", "moe_lab.cli", "algos", "--ppo-clip"])
-    from moe_lab import constants as C
+    from moe_lab.config import constants as C
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [x for a in C.PPO_CLIP_ALGOS for x in (a, *(f"{v:g}" for v in C.PAPER_CLIP[a]))]

@@ -13,7 +13,7 @@ from pathlib import Path
 from recipes import PKG, block, copy_package, insert, run_python
 
 from moe_lab.config import apply_overrides
-from moe_lab.yaml_io import load_yaml
+from moe_lab.config.yaml_io import load_yaml
 
 ROOT = PKG.parent
 METRIC = "routing/router_drift"
@@ -62,8 +62,8 @@ CHECK = textwrap.dedent("""
 
 def _apply_recipe(tmp_path: Path) -> Path:
     pkg = copy_package(tmp_path)
-    insert(pkg / "config.py", "    eval_every: int = param(10,", block("component-field"), before=True)
-    insert(pkg / "config_sections.py", '"eval_every",', block("component-section").rstrip("\n") + " ", before=True)
+    insert(pkg / "config" / "__init__.py", "    eval_every: int = param(10,", block("component-field"), before=True)
+    insert(pkg / "config" / "sections.py", '"eval_every",', block("component-section").rstrip("\n") + " ", before=True)
     insert(pkg / "rl" / "components.py", "@dataclass\nclass Components:", block("component-class"), before=True)
     insert(pkg / "rl" / "components.py", "from moe_lab.rl.expert_bias import ExpertBias\n", block("component-import"),
            before=False)

@@ -35,7 +35,7 @@ def _add_row(pkg: Path) -> None:
 def _add_name(pkg: Path, lists: tuple[str, ...] = ("FAMILIES", "NORM_TOPK_FAMILIES")) -> None:
     """Step 4: the last name of constants.FAMILIES and NORM_TOPK_FAMILIES."""
     for tuple_name in lists:
-        _before_close(pkg / "constants.py", f"\n{tuple_name} = (", ")", ", " + block("family-name").strip())
+        _before_close(pkg / "config" / "constants.py", f"\n{tuple_name} = (", ")", ", " + block("family-name").strip())
 
 
 FAMILY_CHECK = textwrap.dedent("""
@@ -45,7 +45,7 @@ FAMILY_CHECK = textwrap.dedent("""
     assert moe_lab.__file__.startswith(sys.argv[1]), moe_lab.__file__  # the copy, not the checkout
     from transformers import FlexOlmoForCausalLM
     from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoTopKRouter
-    from moe_lab import constants as C
+    from moe_lab.config import constants as C
     from moe_lab.config import from_dict, validate
     from moe_lab.formats.layers import moe_layer_indices
     from moe_lab.models import build_model, moe_layers

@@ -12,7 +12,7 @@ from pathlib import Path
 from recipes import PKG, block, copy_package, insert, run_python
 
 from moe_lab.config import apply_overrides
-from moe_lab.yaml_io import load_yaml
+from moe_lab.config.yaml_io import load_yaml
 
 ROOT = PKG.parent
 METRIC = "response/length_min"

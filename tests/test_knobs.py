@@ -18,7 +18,7 @@ from moe_lab.rl import step as step_mod
 from moe_lab.rl import loop as train_mod
 from moe_lab.rl.coldstart import FORMAT_VERSION, cache_key, cold_start, demonstration_batch
 from moe_lab.config import ConfigError, validate
-from moe_lab.constants import MACHINE_ENV
+from moe_lab.config.constants import MACHINE_ENV
 from moe_lab.models import load_model
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, token_logprobs

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.constants import LOSS_AGGS
+from moe_lab.config.constants import LOSS_AGGS
 from moe_lab.algos.losses import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.ratio_metrics import METRIC_KEYS
-from moe_lab.constants import PPO_CLIP_ALGOS
+from moe_lab.config.constants import PPO_CLIP_ALGOS
 
 GOLDEN = Path(__file__).parent / "golden" / "losses_golden.json"
 FAST = settings(max_examples=15, deadline=None)

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_lab.constants import LOSS_AGGS
+from moe_lab.config.constants import LOSS_AGGS
 from moe_lab.algos.losses import policy_loss
-from moe_lab.constants import PPO_CLIP_ALGOS
+from moe_lab.config.constants import PPO_CLIP_ALGOS
 
 FAST = settings(max_examples=20, deadline=None)
 CLIP_KEYS = ("clip_frac/out_of_range", "clip_frac/active", "clip_frac/low", "clip_frac/high", "clip_frac/seq")

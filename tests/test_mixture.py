@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.rl.coldstart import META_FILE, cold_start, demonstration_batch, sft_step
 from moe_lab.config import ColdStartConfig, ConfigError, ModelConfig, RunConfig, TaskConfig, apply_overrides, \
     from_dict, validate

@@ -1,4 +1,4 @@
-"""The mode registries (moe_lab/mode_specs.py): what validation, the data-parallel split, collect and the
+"""The mode registries (moe_lab/config/mode_specs.py): what validation, the data-parallel split, collect and the
 rollout-correction weights do follows each row's traits, never its name. Each property is checked on every row,
 and again after a row's trait is changed in place (monkeypatch): code that compared names would not follow."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lab import mode_specs as M
+from moe_lab.config import mode_specs as M
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import ConfigError, apply_overrides, from_dict, validate
 from moe_lab.rl.collect import replay_traces

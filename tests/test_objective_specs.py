@@ -1,13 +1,14 @@
-"""One declaration per objective (moe_lab/objective_specs.py): a row that forgets a trait, a row without a
+"""One declaration per objective (moe_lab/config/objective_specs.py): a row that forgets a trait, a row without a
 function and a function without a row all fail when the module is built, not later in a run."""
 
 import dataclasses
 
 import pytest
 
-from moe_lab import config, constants as C
+from moe_lab import config
+from moe_lab.config import constants as C
 from moe_lab.algos.objectives import OBJECTIVES, ObjectiveRegistry, grpo, knob_names
-from moe_lab.objective_specs import OBJECTIVE_SPECS, Knob, Knobs, ObjectiveSpec, knob_fields, spec_table
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS, Knob, Knobs, ObjectiveSpec, knob_fields, spec_table
 
 TRAITS = dict(ppo_clip=False, clip_low_unbounded=False, token_clip=False, sequence_level=False)
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_lab.config import PAPER_CLIP, RLConfig, ConfigError, from_dict, validate
-from moe_lab.constants import LOSS_AGGS
+from moe_lab.config.constants import LOSS_AGGS
 from moe_lab.algos.losses import policy_loss
-from moe_lab.constants import ALGOS
+from moe_lab.config.constants import ALGOS
 from moe_lab.algos.objectives import OBJECTIVES, RSPO_FLOOR_DEFAULT, SAPO_TAU_NEG_DEFAULT, SAPO_TAU_POS_DEFAULT
 
 FAST = settings(max_examples=12, deadline=None)

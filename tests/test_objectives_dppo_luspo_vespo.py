@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_lab.config import PAPER_CLIP, ConfigError, RLConfig, from_dict, validate
-from moe_lab.constants import LOSS_AGGS
+from moe_lab.config.constants import LOSS_AGGS
 from moe_lab.algos.losses import policy_loss
 from moe_lab.algos.objectives import DPPO_RATIO_CAP_DEFAULT, VESPO_SHAPE_DEFAULT
 

@@ -64,8 +64,8 @@ def test_arm_colours_are_fixed_okabe_ito_and_distinct():
 def test_preset_colours_come_from_the_objective_and_mode_tables():
     """A GRPO preset shows its mode's hue, another objective's preset mixes the mode's hue with its own (so that
     GSPO + R3 is neither GSPO nor GRPO + R3), and no two presets of the paper's modes share a colour."""
-    from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
-    from moe_lab.objective_specs import OBJECTIVE_SPECS
+    from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+    from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
     assert plots.arm_color("gspo") == OBJECTIVE_SPECS["gspo"].color
     assert plots.arm_color("grpo_r3") == REPLAY_SPECS["rollout"].color
@@ -89,8 +89,8 @@ def test_a_variant_of_a_preset_takes_its_colour_and_a_line_style_of_its_own():
 
 @pytest.mark.parametrize("bad", ["red", "#12345", "#GG0000"])
 def test_a_spec_colour_must_be_rgb_hex(bad):
-    from moe_lab.mode_specs import ReplaySpec
-    from moe_lab.objective_specs import check_color
+    from moe_lab.config.mode_specs import ReplaySpec
+    from moe_lab.config.objective_specs import check_color
 
     with pytest.raises(ValueError, match="#RRGGBB"):
         check_color(bad, "x")

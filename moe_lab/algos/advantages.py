@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 
 __all__ = ["group_advantages"]
 

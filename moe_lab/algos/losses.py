@@ -24,7 +24,7 @@ import numbers
 
 import torch
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.algos.objectives import OBJECTIVES, ObjectiveInputs, ObjectiveTerms, make_params
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean, masked_var, policy_metrics
 
@@ -280,7 +280,7 @@ def policy_loss(
     nor metrics. norm_len is used by seq-mean-token-sum-norm only (default T).
     knobs: each objective's own parameters as ``<prefix>_<field>`` keyword arguments (``sapo_tau_pos``,
     ``rspo_floor``, ``dppo_ratio_cap``, ``vespo_k_pos``...; declared with defaults and bounds in
-    ``moe_lab/objective_specs.py``). router_gamma_BT: RSPO's per-token router-shift ratio (None = 1: unchanged
+    ``moe_lab/config/objective_specs.py``). router_gamma_BT: RSPO's per-token router-shift ratio (None = 1: unchanged
     router). is_weights_BT: rollout-correction weights
     (``rollout_correction.rollout_correction``), multiplied into the per-token terms before the
     aggregation (for gmpo/rspo folded per sequence as a geometric mean, see ``_fold_is_weights``).

@@ -17,13 +17,13 @@ import math
 
 import torch
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.algos.ratio_metrics import EXTREME_LOG_RATIO, LOG_RATIO_BOUND, k3_from_log_ratio, masked_mean
 
 __all__ = ["token_mismatch", "seq_mult_prob_error", "verl_offpolicy", "verl_tis", "SEQ_ERROR_THRESHOLD"]
 
 Tensor = torch.Tensor
-SEQ_ERROR_THRESHOLD = C.SEQ_ERROR_THRESHOLD  # the outlier threshold of seq_mult_prob_error (moe_lab/constants.py)
+SEQ_ERROR_THRESHOLD = C.SEQ_ERROR_THRESHOLD  # the outlier threshold of seq_mult_prob_error (moe_lab/config/constants.py)
 
 
 def _log_ratio(logp_engine_BT: Tensor, logp_trainer_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""The objective registry's entries (``Objective``: a function bound to its row of moe_lab/objective_specs.py,
+"""The objective registry's entries (``Objective``: a function bound to its row of moe_lab/config/objective_specs.py,
 ``ObjectiveRegistry``: one function per row) and each objective's parameter object: a frozen dataclass built
 from the one declaration of its knobs (the ``knobs`` of its row: default, bounds, help).
 ``moe_lab.algos.objectives`` hands it to the objective's function as one object; ``policy_loss`` takes its
@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable
 
-from moe_lab.objective_specs import OBJECTIVE_SPECS, Knobs, ObjectiveSpec
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS, Knobs, ObjectiveSpec
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class ObjectiveRegistry:
     def register(self, name: str, *, reductions: dict[str, str] | None = None):
         """Decorator: the function of the spec row ``name``; reductions: how its own metrics combine across ranks."""
         if name not in self.specs:
-            raise ValueError(f"objective {name!r}: no row in the spec table (moe_lab/objective_specs.py)")
+            raise ValueError(f"objective {name!r}: no row in the spec table (moe_lab/config/objective_specs.py)")
         if name in self.entries:
             raise ValueError(f"objective {name!r}: registered twice")
 

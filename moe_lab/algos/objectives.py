@@ -5,7 +5,7 @@ advantages and mask to per-token loss terms (to MINIMISE) plus the objective's o
 (every masked position is 0 before any arithmetic), the +-20 log-ratio clamp, rollout-correction
 weights, aggregation (``aggregate_loss``) and the shared metrics (``ratio_metrics.policy_metrics``).
 Adding an objective = one function here, registered with ``@register("<name>")``, + one row in
-``moe_lab/objective_specs.py`` (its paper clip, traits and knobs; constants.ALGOS, PAPER_CLIP, the trait
+``moe_lab/config/objective_specs.py`` (its paper clip, traits and knobs; constants.ALGOS, PAPER_CLIP, the trait
 tuples and the config fields follow from it; docs/extending.md). A row without a function, or a function
 without a row, fails at import. An objective with knobs receives them as one object, ``fn(inputs, params)``
 (a frozen dataclass built from the row's ``Knobs``: ``objective_params.params_class``); ``policy_loss`` takes
@@ -45,8 +45,8 @@ from moe_lab.algos.objective_params import (  # noqa: F401 - the defaults are re
     DppoParams, NoParams, Objective, ObjectiveRegistry, RspoParams, SapoParams, VespoParams, check_knob)
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 from moe_lab.algos.reductions import SEQ_MEAN, TOKEN_MEAN
-from moe_lab.constants import PAPER_CLIP
-from moe_lab.objective_specs import OBJECTIVE_SPECS
+from moe_lab.config.constants import PAPER_CLIP
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
 __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "ObjectiveRegistry", "OBJECTIVES", "register",
            "SapoParams", "RspoParams", "DppoParams", "VespoParams", "knob_names", "make_params",

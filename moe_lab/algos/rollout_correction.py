@@ -25,15 +25,15 @@ import math
 
 import torch
 
-from moe_lab import constants as C
-from moe_lab import mode_specs as M
+from moe_lab.config import constants as C
+from moe_lab.config import mode_specs as M
 from moe_lab.algos import reductions as R
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 
 __all__ = ["MODES", "DEFAULT_BOUNDS", "METRIC_KEYS", "resolved_bounds", "rollout_correction"]
 
 # (lower, upper) when the caller passes None, and each mode's level and action: the rows of the torch-free
-# moe_lab/mode_specs.py (TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5).
+# moe_lab/config/mode_specs.py (TIS/MIS: verl's rollout_is_threshold 2.0; IcePop: the Ring-1T report's alpha = 0.5, beta = 5).
 DEFAULT_BOUNDS = C.ROLLOUT_CORRECTION_BOUNDS
 MODES = C.ROLLOUT_CORRECTION_MODES
 METRIC_KEYS = ("rollout_corr/weight_mean", "rollout_corr/weight_max", "rollout_corr/truncated_frac",

@@ -23,8 +23,8 @@ from moe_lab.analysis import replay_plots
 from moe_lab.analysis import results
 from moe_lab.analysis import stability
 from moe_lab.analysis import stability_plots
-from moe_lab.constants import PPO_CLIP_ALGOS
-from moe_lab.errors import ConfigError
+from moe_lab.config.constants import PPO_CLIP_ALGOS
+from moe_lab.config.errors import ConfigError
 from moe_lab.launch.experiment import BASE_LABEL
 from moe_lab.launch.spec import Experiment, parse_experiment
 

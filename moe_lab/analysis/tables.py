@@ -36,7 +36,7 @@ import pandas as pd
 from moe_lab.rl import health
 from moe_lab.analysis.stats import ci_columns
 from moe_lab.config import upgrade_run_config
-from moe_lab.constants import PAPER_CLIP
+from moe_lab.config.constants import PAPER_CLIP
 from moe_lab.rl.run_folder import RUNS_DIR, RunFolder, is_run_dir, run_dirs
 from moe_lab.rl.runlog import FINISHED, STATUS_FAILED
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from moe_lab.audit.trace_audit import check, check_inputs, report_lines  # torch-free at import
-from moe_lab.constants import ROLLOUT_CORRECTION_BOUNDS, SEQ_ERROR_THRESHOLD
+from moe_lab.config.constants import ROLLOUT_CORRECTION_BOUNDS, SEQ_ERROR_THRESHOLD
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -25,7 +25,7 @@ import torch
 from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, load_yaml, validate
 from moe_lab.launch.experiment import expand
-from moe_lab.mode_specs import REPLAY_SPECS
+from moe_lab.config.mode_specs import REPLAY_SPECS
 from moe_lab.models import load_model, resolve_device
 from moe_lab.rl import checkpoint, seeds
 from moe_lab.rl.coldstart import cold_start

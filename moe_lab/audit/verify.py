@@ -5,7 +5,7 @@ Cells: the finished runs of RESULTS_DIR/runs/ (done or collapsed), ordered by ar
 2 cells are the lowest-seed run of the first arm and of the last arm; ``--cells N`` takes, in this order, the
 lowest-seed run of the first arm, of the last arm, of each other arm in turn, then each arm's next seed, and
 so on; ``--cells all`` every finished run. Each cell re-runs from its own ``runs/<run_id>/config.yaml``
-(read like any old config, moe_lab.config_legacy) for its first K RL steps (``--steps``, default 3;
+(read like any old config, moe_lab.config.legacy) for its first K RL steps (``--steps``, default 3;
 ``--steps all``, or K at least the run's rl.steps, for the whole run), with a fresh cold start, in a
 temporary folder that is removed afterwards. Only the number of RL steps changes: a step's numbers do not
 depend on how many steps follow it.
@@ -33,7 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 from moe_lab.config import ConfigError, from_dict, set_dotted, validate
-from moe_lab.constants import MACHINE_ENV
+from moe_lab.config.constants import MACHINE_ENV
 from moe_lab.audit import verdicts
 from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.rl.run_folder import ResultsFolder, RunFolder

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from moe_lab.algos.ratio_metrics import masked_var, ratio_decomposition
-from moe_lab.constants import PAPER_CLIP
+from moe_lab.config.constants import PAPER_CLIP
 from moe_lab.models import checkpoint_dtype, load_model, moe_layers, resolve_device
 from moe_lab.rl.rollout import GroupSampler, forward_logits, token_logprobs
 from moe_lab.routing import Trace, record, replay, router_logp_probe, router_shift, routing_metrics

@@ -1,12 +1,12 @@
 """`moe-lab config`: the table of every config field (markdown), the one docs/config.md holds, one table per
-section (``rl`` by the sections of moe_lab/config_sections.py). Exit code 0."""
+section (``rl`` by the sections of moe_lab/config/sections.py). Exit code 0."""
 
 from __future__ import annotations
 
 import argparse
 
 from moe_lab.config import RLConfig, field_table
-from moe_lab.config_sections import RL_SECTIONS
+from moe_lab.config.sections import RL_SECTIONS
 
 HEADER = ["| field | default | allowed | meaning |", "|---|---|---|---|"]
 

@@ -30,10 +30,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moe_lab.errors import ConfigError
-from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
-from moe_lab.objective_specs import OBJECTIVE_SPECS
-from moe_lab.yaml_io import load_yaml
+from moe_lab.config.errors import ConfigError
+from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS
+from moe_lab.config.yaml_io import load_yaml
 
 ORGANISMS = "moe_lab.experiments"  # the package of the built-in experiments; organisms sit in its organisms/
 ORGANISM_DIR = "organisms"

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.config import ModelConfig
 from moe_lab.models.experts import fused_experts_forward  # registers experts_impl 'fused' with transformers
 from moe_lab.models.families import (FAMILIES, REFUSED, FamilySpec, family_of_model_type, family_of_router, get_family,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 
 Tensor = torch.Tensor
 

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from moe_lab.config import RunConfig, validate
 from moe_lab.models import build_model, load_model, resolve_device
-from moe_lab.constants import MACHINE_ENV
+from moe_lab.config.constants import MACHINE_ENV
 from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.rollout import accuracy, forward_logits, token_logprobs
 from moe_lab.routing import record

@@ -20,7 +20,7 @@ from moe_lab.algos.losses import kl_penalty
 from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import RunConfig
-from moe_lab.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT, ROLLOUT_CORRECTION_SPECS
+from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT, ROLLOUT_CORRECTION_SPECS
 from moe_lab.rl import seeds
 from moe_lab.rl.groups import group_generators, join_batches
 from moe_lab.rl.rollout import GroupSampler, RolloutBatch, forward_logits, generate, token_logprobs
@@ -56,7 +56,7 @@ class StepData:
 def replay_traces(mode: str, rollout_trace: Trace | None, old_trace: Trace | None) -> tuple[Trace | None, Trace | None]:
     """Routing Replay, decided here only: ``(forced, reference)`` of rl.replay = ``mode``.
 
-    forced: the routing the trainer's forwards follow, the mode's ``forces`` trait (moe_lab/mode_specs.py; none:
+    forced: the routing the trainer's forwards follow, the mode's ``forces`` trait (moe_lab/config/mode_specs.py; none:
     free; old = R2: the old-policy forward's; rollout = R3 and predictive: the sampler's, predicted or not).
     reference: the routing that produced logp_old, which routing/* compare against. Before the old-policy
     forward (``old_trace=None``) it gives that forward's own forcing: R3 already follows the rollout there, R2's

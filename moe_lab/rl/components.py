@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from moe_lab.mode_specs import REPLAY_SPECS
+from moe_lab.config.mode_specs import REPLAY_SPECS
 from moe_lab.models import correction_biases
 from moe_lab.rl import checkpoint
 from moe_lab.rl.expert_bias import ExpertBias

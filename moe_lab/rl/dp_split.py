@@ -23,7 +23,7 @@ import math
 
 from moe_lab.algos import reductions as R
 from moe_lab.config import ConfigError, RunConfig
-from moe_lab.mode_specs import REPLAY_SPECS, names_where
+from moe_lab.config.mode_specs import REPLAY_SPECS, names_where
 
 
 def check_data_parallel(cfg: RunConfig, world: int) -> None:

@@ -11,7 +11,7 @@ config, 2-core CPU). With sampler-side router noise (rl.rollout_router_noise) ea
 own, so that its noise draws are its own too, and the groups are joined (``join_batches``).
 
 The ``sequential`` mode samples the whole batch from the run's global generator in one call: the sampling of the
-committed references' plain runs, kept so that they re-run bit for bit (``moe_lab.config_legacy.LEGACY_VALUES``).
+committed references' plain runs, kept so that they re-run bit for bit (``moe_lab.config.legacy.LEGACY_VALUES``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_lab.constants import MACHINE_ENV
+from moe_lab.config.constants import MACHINE_ENV
 from moe_lab.rl.cpuinfo import processor_info
 from moe_lab.config import ConfigError, dump_yaml, from_dict, load_yaml, upgrade_run_config, validate
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.algos import reductions as R
 from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names

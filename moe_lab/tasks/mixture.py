@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from moe_lab.config import TaskConfig
-from moe_lab.constants import SINGLE_TASKS
+from moe_lab.config.constants import SINGLE_TASKS
 from moe_lab.tasks.addition import AdditionTask, LongAdditionTask
 from moe_lab.tasks.base import Task
 from moe_lab.tasks.strings import LongCopyTask, ReverseTask, SortTask

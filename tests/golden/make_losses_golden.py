@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere, installed or not
 from moe_lab.algos.losses import policy_loss  # noqa: E402
-from moe_lab.constants import LOSS_AGGS, PPO_CLIP_ALGOS  # noqa: E402
+from moe_lab.config.constants import LOSS_AGGS, PPO_CLIP_ALGOS  # noqa: E402
 
 OUT = Path(__file__).with_name("losses_golden.json")
 B, T = 4, 5

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from moe_lab.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT
+from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT
 from moe_lab.models import moe_layers
 from moe_lab.models.families import FAMILIES, family_of_model_type
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_lab.integrations.trl.version import require_trl
-from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT
+from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT
 
 require_trl()
 
 from trl import GRPOConfig  # noqa: E402
 
-# the rl.replay modes TRL's loop offers (their rows and traits: moe_lab/mode_specs.py)
+# the rl.replay modes TRL's loop offers (their rows and traits: moe_lab/config/mode_specs.py)
 REPLAY_MODES = tuple(name for name, spec in REPLAY_SPECS.items() if spec.trl)
 
 

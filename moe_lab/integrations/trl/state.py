@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lab.integrations.batch_routing import RoutingRun, fit_columns, fit_width, place_rows, to_batch, to_trace
-from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT
+from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT
 from moe_lab.routing import Trace
 
 Tensor = torch.Tensor

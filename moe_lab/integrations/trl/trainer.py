@@ -39,7 +39,7 @@ from moe_lab.integrations.trl.resume import load_full_checkpoint
 from moe_lab.integrations.trl.vllm import (EngineOutputs, check_rollout_with_vllm, engine_rollout, routed_llm,
                                           wants_routes)
 from moe_lab.integrations.trl.state import LossScope, MoEState, Rollout, join_chunks, old_reference
-from moe_lab.mode_specs import REPLAY_SPECS
+from moe_lab.config.mode_specs import REPLAY_SPECS
 from moe_lab.models import moe_layers
 from moe_lab.routing import record, router_logp_probe
 

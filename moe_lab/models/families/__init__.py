@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_lab import constants as C
+from moe_lab.config import constants as C
 from moe_lab.models.families.sigmoid import SIGMOID_FAMILIES
 from moe_lab.models.families.softmax import SOFTMAX_FAMILIES
 from moe_lab.models.families.spec import FamilySpec, hf_kwargs

@@ -4,9 +4,9 @@ here imports torch."""
 
 from __future__ import annotations
 
-from moe_lab import constants as C
-from moe_lab.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS, names_where
-from moe_lab.errors import ConfigError
+from moe_lab.config import constants as C
+from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS, names_where
+from moe_lab.config.errors import ConfigError
 
 
 def check_mixture(task) -> None:
@@ -24,7 +24,7 @@ def check_mixture(task) -> None:
 
 
 def check_replay_options(rl) -> None:
-    """What each rl.replay mode's traits (moe_lab/mode_specs.py) allow of the other replay options."""
+    """What each rl.replay mode's traits (moe_lab/config/mode_specs.py) allow of the other replay options."""
     spec = REPLAY_SPECS[rl.replay]
     if spec.forces == OLD_FORWARD and rl.old_logp == "rollout":
         raise ConfigError(f"rl.replay='{rl.replay}' needs rl.old_logp='old_forward' (R2 replays the old-policy "

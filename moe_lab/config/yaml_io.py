@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from moe_lab.errors import ConfigError
+from moe_lab.config.errors import ConfigError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

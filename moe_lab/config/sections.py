@@ -15,7 +15,7 @@ import functools
 import typing
 
 # section -> (what it holds, its fields in declaration order); the objectives' knobs (rl.<prefix>_<name>, from
-# moe_lab/objective_specs.py) join "objective" where the class declares them.
+# moe_lab/config/objective_specs.py) join "objective" where the class declares them.
 RL_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "objective": ("the policy objective, its clip range and knobs, advantages, KL and the balancing loss",
                   ("algo", "clip_low", "clip_high", "loss_agg", "dual_clip_c", "std_normalize", "whiten",
@@ -47,7 +47,7 @@ def sectioned(sections: dict[str, tuple[str, tuple[str, ...]]], extra: dict[str,
         fields = {f.name for f in dataclasses.fields(cls)}
         twice = sorted({f for f in names if names.count(f) > 1})
         if twice or set(names) != fields:
-            raise TypeError(f"{cls.__name__}: every field in exactly one section of moe_lab/config_sections.py; "
+            raise TypeError(f"{cls.__name__}: every field in exactly one section of moe_lab/config/sections.py; "
                             f"without one: {sorted(fields - set(names))}, unknown: {sorted(set(names) - fields)}, "
                             f"twice: {twice}")
         cls.SECTION_OF = {f: s for s, f in declared}

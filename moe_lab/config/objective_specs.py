@@ -1,7 +1,7 @@
 """Every policy objective's facts, once: one row of ``OBJECTIVE_SPECS`` per ``rl.algo`` (torch-free).
 
 A row gives the objective's name, its paper's default clip range, its traits and its own knobs (default, help,
-bounds). ``moe_lab.constants`` derives ``ALGOS``, ``PAPER_CLIP``, ``PPO_CLIP_ALGOS``, ``CLIP_LOW_UNBOUNDED`` and
+bounds). ``moe_lab.config.constants`` derives ``ALGOS``, ``PAPER_CLIP``, ``PPO_CLIP_ALGOS``, ``CLIP_LOW_UNBOUNDED`` and
 ``TOKEN_CLIP_ALGOS`` from the rows, ``moe_lab.config.RLConfig`` exposes each knob as the field
 ``rl.<prefix>_<name>``, and ``moe_lab.algos.objectives`` registers one function per row (a row without a
 function, or a function without a row, fails at import). Every trait is a required keyword: a row that

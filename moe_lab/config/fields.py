@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Any
 
-from moe_lab.errors import ConfigError
+from moe_lab.config.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import yaml
 
-from moe_lab import constants as C
-from moe_lab import config_checks
-from moe_lab.config_fields import allowed, check_field, hints, walk
-from moe_lab.config_sections import RL_SECTIONS, sectioned, view
-from moe_lab.errors import ConfigError
-from moe_lab.objective_specs import OBJECTIVE_SPECS, knob_fields
-from moe_lab.config_legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
-from moe_lab.yaml_io import apply_overrides, load_yaml, set_dotted  # noqa: F401 - re-exported: callers read YAML through config
+from moe_lab.config import constants as C
+from moe_lab.config import checks as config_checks
+from moe_lab.config.fields import allowed, check_field, hints, walk
+from moe_lab.config.sections import RL_SECTIONS, sectioned, view
+from moe_lab.config.errors import ConfigError
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS, knob_fields
+from moe_lab.config.legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
+from moe_lab.config.yaml_io import apply_overrides, load_yaml, set_dotted  # noqa: F401 - re-exported: callers read YAML through config
 
 
 _HASHED = object()  # param(unhashed=...) unset: the field is always part of the cold-start cache key
@@ -115,7 +115,7 @@ class ColdStartConfig:
 
 def _with_objective_knobs(after: str):
     """Class decorator (under @dataclass): a float field per objective knob, rl.<prefix>_<name>, with the default,
-    help and bounds of its one declaration (moe_lab/objective_specs.py), inserted after the field ``after``."""
+    help and bounds of its one declaration (moe_lab/config/objective_specs.py), inserted after the field ``after``."""
     def insert(cls: type) -> type:
         if after not in cls.__annotations__:
             raise TypeError(f"{cls.__name__}: no field {after!r} to put the objective knobs after")
@@ -135,7 +135,7 @@ def _with_objective_knobs(after: str):
 @dataclass
 @_with_objective_knobs(after="dual_clip_c")
 class RLConfig:
-    """The RL settings: flat keys, each in one section of moe_lab/config_sections.py (``section(name)``)."""
+    """The RL settings: flat keys, each in one section of moe_lab/config/sections.py (``section(name)``)."""
     algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
                       choices=C.ALGOS)
     replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
@@ -172,7 +172,7 @@ class RLConfig:
                           choices=C.LOSS_AGGS)
     dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages (grpo and gspo variants); "
                                             "None = off", gt=1.0)
-    # here: rl.<prefix>_<name>, every objective's own knobs, declared in moe_lab/objective_specs.py
+    # here: rl.<prefix>_<name>, every objective's own knobs, declared in moe_lab/config/objective_specs.py
     rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
                                             "truncate (tis), mask (mis) or IcePop's two-sided mask",
                                     choices=C.ROLLOUT_CORRECTION_MODES)

@@ -1,9 +1,9 @@
 """Every Routing Replay mode and every rollout-correction mode, once: one row per ``rl.replay`` value in
 ``REPLAY_SPECS``, one per ``rl.rollout_correction`` value in ``ROLLOUT_CORRECTION_SPECS`` (torch-free).
 
-A row carries the mode's traits; the code reads the traits, never the mode's name: ``moe_lab.constants``
+A row carries the mode's traits; the code reads the traits, never the mode's name: ``moe_lab.config.constants``
 derives ``REPLAY_MODES``, ``ROLLOUT_CORRECTION_MODES`` and ``ROLLOUT_CORRECTION_BOUNDS`` from the rows, config
-validation (config.py, config_checks.py), ``rl.collect`` (which trace is forced), ``rl.step`` / ``rl.loop``
+validation (config, config.checks), ``rl.collect`` (which trace is forced), ``rl.step`` / ``rl.loop``
 (the predictor), ``rl.dp_split`` (data-parallel), ``algos.rollout_correction`` (the weights) and the TRL
 integration's ``MoEGRPOConfig`` (its allowed ``routing_replay`` values) read them. Every trait is a required
 keyword and an inconsistent row fails at import. Adding a mode = one row here (+ the code its new trait
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe_lab.objective_specs import check_color
+from moe_lab.config.objective_specs import check_color
 
 # where a replayed update's routing comes from (ReplaySpec.forces); None: the routers choose freely
 OLD_FORWARD = "old_forward"  # R2: the old-policy forward's routing, recorded before the updates

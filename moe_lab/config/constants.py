@@ -2,17 +2,17 @@
 
 A registry (``families.FAMILIES``, ``tasks.TASKS``, ...) keeps its own entries; ``tests/test_constants.py``
 checks that its keys equal the names here, so adding an entry means adding its name here too (and the config
-then accepts it). The objectives' names and traits are derived from their rows in moe_lab/objective_specs.py
+then accepts it). The objectives' names and traits are derived from their rows in moe_lab/config/objective_specs.py
 (``objectives.OBJECTIVES`` registers one function per row); the replay and rollout-correction modes from theirs
-in moe_lab/mode_specs.py.
+in moe_lab/config/mode_specs.py.
 """
 
 from __future__ import annotations
 
-from moe_lab.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
-from moe_lab.objective_specs import OBJECTIVE_SPECS
+from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
-# Policy objectives: derived from their one declaration, the rows of moe_lab/objective_specs.py (traits
+# Policy objectives: derived from their one declaration, the rows of moe_lab/config/objective_specs.py (traits
 # explained there). PPO_CLIP_ALGOS: a clipped surrogate, dual clip allowed; CLIP_LOW_UNBOUNDED: clip_low may
 # reach 1 and beyond; TOKEN_CLIP_ALGOS: the clip acts on the token ratio (ratio/route_clip_exit_frac uses the
 # run's range for these, GRPO's paper range for the others); PAPER_CLIP: (clip_low, clip_high) by default.
@@ -26,12 +26,12 @@ LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mea
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 WHITEN_MODES = ("group", "batch")
-REPLAY_MODES = tuple(REPLAY_SPECS)  # rows and traits: moe_lab/mode_specs.py
+REPLAY_MODES = tuple(REPLAY_SPECS)  # rows and traits: moe_lab/config/mode_specs.py
 OLD_LOGP_SOURCES = ("old_forward", "rollout")
 ROLLOUT_SEEDINGS = ("per_group", "sequential")
 
 # Rollout correction (moe_lab/algos/rollout_correction.py): the modes, and (lower, upper) when the config leaves them
-# None; rows, traits and the bounds' sources: moe_lab/mode_specs.py.
+# None; rows, traits and the bounds' sources: moe_lab/config/mode_specs.py.
 ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_SPECS)
 ROLLOUT_CORRECTION_BOUNDS = {name: spec.bounds for name, spec in ROLLOUT_CORRECTION_SPECS.items()}
 # check-trace's outlier threshold of NeMo-RL's seq_mult_prob_error: NeMo-RL's grpo.seq_logprob_error_threshold has no
