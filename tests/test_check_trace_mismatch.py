@@ -299,3 +299,38 @@ def test_a_threshold_out_of_range_is_bad_input_before_any_model_is_loaded(qwen, 
         out, err = capsys.readouterr()
         assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1
         assert __import__("re").search(match, err), err
+
+
+def test_per_token_rows_average_to_the_per_sequence_figures_and_replay_the_models_own_log_probs_exactly(
+        qwen, tmp_path, capsys):
+    """The per-token rows are the terms of the per-sequence and token-level means (one sequence's rows average
+    to its k3, their max |d| is its max, all rows average to token.k3 and -k1); a dump whose engine log-probs are
+    the model's own replayed ones (written, read back as float64) gives d = 0 exactly on every replayed row."""
+    path, model, config, seqs = qwen
+    _, _, first = _report(capsys, tmp_path, write_jsonl(tmp_path / "g.jsonl", seqs, "vllm", config), path)
+    m = first["mismatch"]
+    rows = m["per_token"]
+    assert len(rows) == m["tokens"] == sum(s.engine_logprobs.numel() for s in seqs)
+    for name in ("free", "replayed"):
+        assert all(r[f"delta_{name}"] == r[f"logp_trainer_{name}"] - r["logp_engine"] for r in rows)
+        d = np.array([r[f"delta_{name}"] for r in rows])
+        assert np.mean([r[f"k3_{name}"] for r in rows]) == pytest.approx(m[name]["token"]["k3"], rel=1e-9, abs=1e-15)
+        assert -d.mean() == pytest.approx(m[name]["token"]["k1"], rel=1e-9, abs=1e-15)
+        for seq_row in m["per_sequence"]:
+            mine = [r for r in rows if r["where"] == seq_row["where"]]
+            assert [r["position"] for r in mine] == list(range(seq_row["tokens"]))
+            assert np.mean([r[f"k3_{name}"] for r in mine]) == pytest.approx(seq_row[f"k3_{name}"], rel=1e-9,
+                                                                             abs=1e-15)
+            assert max(abs(r[f"delta_{name}"]) for r in mine) == seq_row[f"abs_delta_max_{name}"]
+    assert [r["token"] for r in rows] == [t for s in seqs for t in s.tokens[s.prompt_len:].tolist()]
+    assert m["routing"]["k3_free"] > 0 or m["routing"]["k3_replayed"] > 0  # generate()'s logits are not the head's
+
+    replayed = iter(r["logp_trainer_replayed"] for r in rows)
+    for s in seqs:
+        s.engine_logprobs = torch.tensor([next(replayed) for _ in range(s.engine_logprobs.numel())],
+                                         dtype=torch.float64)
+    _, _, again = _report(capsys, tmp_path, write_jsonl(tmp_path / "own.jsonl", seqs, "vllm", config), path)
+    m = again["mismatch"]
+    assert [r["delta_replayed"] for r in m["per_token"]] == [0.0] * len(rows)
+    assert [r["k3_replayed"] for r in m["per_token"]] == [0.0] * len(rows)
+    assert m["replayed"]["token"]["k3"] == 0.0 and m["routing"]["k3_replayed"] == 0.0

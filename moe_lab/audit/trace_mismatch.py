@@ -48,7 +48,7 @@ def batch(checked: list) -> dict[str, Tensor] | None:
     rows = [c for c in checked if c.seq.engine_logprobs is not None and c.seq.engine_logprobs.numel()]
     if not rows:
         return None
-    out: dict = {"where": [c.seq.where for c in rows]}
+    out: dict = {"where": [c.seq.where for c in rows], "token_ids": [c.seq.tokens[c.seq.prompt_len:] for c in rows]}
     out["engine"], out["mask"] = _padded([c.seq.engine_logprobs for c in rows])
     out["free"], _ = _padded([c.free.token_logp_S[c.seq.prompt_len:] for c in rows])
     if all(c.replayed is not None and c.replayed.token_logp_S is not None for c in rows):
@@ -104,7 +104,14 @@ def mismatch_report(checked: list, disagreement_L: dict[str, float],
     passes = {p: pass_report(b["engine"], b[p], b["mask"], opts) for p in PASSES if p in b}
     routing = routing_share(passes, disagreement_L)
     return {"sequences": int(b["mask"].shape[0]), "tokens": int(b["mask"].sum()), **passes, "routing": routing,
-            "per_sequence": per_sequence(b), "verdict": verdict(routing)}
+            "per_sequence": per_sequence(b), "per_token": per_token(b), "verdict": verdict(routing)}
+
+
+def _delta_k3(b: dict, p: str) -> tuple[Tensor, Tensor]:
+    """Pass ``p``'s d = logp_trainer - logp_engine and k3 = exp(d) - 1 - d per token, 0 on padding."""
+    keep = b["mask"]
+    d = torch.where(keep, b[p] - b["engine"], torch.zeros_like(b[p]))
+    return d, (torch.exp(d) - 1 - d) * keep
 
 
 def per_sequence(b: dict) -> list[dict]:
@@ -114,10 +121,25 @@ def per_sequence(b: dict) -> list[dict]:
     for p in PASSES:
         if p not in b:
             continue
-        d = torch.where(keep, b[p] - b["engine"], torch.zeros_like(b[p]))
-        k3 = ((torch.exp(d) - 1 - d) * keep).sum(-1) / keep.sum(-1)
-        for row, k, m in zip(rows, k3.tolist(), d.abs().amax(-1).tolist()):
+        d, k3 = _delta_k3(b, p)
+        for row, k, m in zip(rows, (k3.sum(-1) / keep.sum(-1)).tolist(), d.abs().amax(-1).tolist()):
             row[f"k3_{p}"], row[f"abs_delta_max_{p}"] = k, m
+    return rows
+
+
+def per_token(b: dict) -> list[dict]:
+    """One row per completion token (``where``: FILE line N; ``position``: its index in the completion): its id,
+    the engine's log-prob and per pass the trainer's, d and k3. A sequence's rows average to its per_sequence
+    k3 and all rows to ``token.k3``."""
+    columns: dict[str, list] = {"logp_engine": b["engine"].tolist()}
+    for p in PASSES:
+        if p in b:
+            d, k3 = _delta_k3(b, p)
+            columns.update({f"logp_trainer_{p}": b[p].tolist(), f"delta_{p}": d.tolist(), f"k3_{p}": k3.tolist()})
+    rows = []
+    for i, (where, ids) in enumerate(zip(b["where"], b["token_ids"])):
+        for t, token in enumerate(ids.tolist()):
+            rows.append({"where": where, "position": t, "token": token, **{k: v[i][t] for k, v in columns.items()}})
     return rows
 
 
