@@ -293,7 +293,7 @@ from moe_lab.analysis import endpoint_plots, report_plots, report_tables
 from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import load_comparison
 from moe_lab.launch.design import contrasts_spec, describe_spec
-from moe_lab.rl.run_folder import ResultsFolder
+from moe_lab.store.run_folder import ResultsFolder
 
 # The two newest experiments; any other results folder opens the same way (set FOLDERS by hand).
 NEWEST = ("rollout_mismatch", "expert_bias")

@@ -19,7 +19,7 @@ from recipes import recipe_new_files
 PKG = Path(moe_lab.__file__).resolve().parent
 # layer of each top-level part of moe_lab: a module may import from its own layer or a lower one
 LAYERS = {"config": 1, "algos": 2, "models": 2, "routing": 3,
-          "tasks": 2, "formats": 4, "rl": 4, "launch": 5, "analysis": 5, "audit": 6, "train": 7, "cli": 7, "commands": 7,
+          "tasks": 2, "store": 2, "formats": 4, "rl": 4, "launch": 5, "analysis": 5, "audit": 6, "train": 7, "cli": 7, "commands": 7,
           "integrations": 8}
 
 
@@ -173,6 +173,43 @@ def test_nothing_in_moe_lab_imports_the_integrations():
             if not m.startswith("moe_lab.integrations") and "moe_lab.integrations" in p.read_text(encoding="utf-8")]
     assert not bad, "\n".join(bad)
     assert "moe_lab.integrations.trl" in MODULES  # the check above looked at a tree that holds them
+
+
+def test_the_run_store_sits_below_the_trainer_and_the_analysis_reads_runs_through_it():
+    """moe_lab.store imports only the config layer and itself; nothing in moe_lab.analysis imports the trainer
+    (moe_lab.rl), even deferred: the analysis reads runs through the store."""
+    config_layer = {m for m in LAYERS if LAYERS[m] <= LAYERS["config"]}
+    bad = [f"{m} imports {dep}" for m, p in MODULES.items() if m.startswith("moe_lab.store")
+           for dep, _, _ in _imports(m, p) if dep.split(".")[1] not in config_layer | {"store"}]
+    bad += [f"{m} imports {dep}" for m, p in MODULES.items() if m.startswith("moe_lab.analysis")
+            for dep, _, _ in _imports(m, p) if dep.startswith("moe_lab.rl")]
+    assert not bad, "\n".join(bad)
+    assert "moe_lab.store.run_folder" in MODULES and "moe_lab.analysis.tables" in MODULES
+
+
+def _file_name_literals(names: set[str], modules: dict[str, Path]) -> list[str]:
+    """Where a module outside moe_lab.store spells one of ``names`` as a string (docstrings aside)."""
+    found = []
+    for m, path in modules.items():
+        if m.startswith("moe_lab.store"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        found += [f"{m}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs]
+    return found
+
+
+def test_a_run_s_file_names_are_spelled_only_in_the_store(tmp_path):
+    """Every file name of a run, its checkpoint and its results folder is moe_lab/store/layout.py's: code elsewhere
+    takes the constant (or RunFolder's paths), never the literal."""
+    from moe_lab.store.layout import RUN_FILE_NAMES
+
+    found = _file_name_literals(set(RUN_FILE_NAMES), MODULES)
+    assert not found, "\n".join(found)
+    planted = tmp_path / "planted.py"  # the check can fail
+    planted.write_text('"""Reads metrics.parquet."""\nopen(p / "metrics.parquet")\n', encoding="utf-8")
+    assert _file_name_literals(set(RUN_FILE_NAMES), {"moe_lab.x": planted}) == ["moe_lab.x:2: 'metrics.parquet'"]
 
 
 def test_every_subpackage_says_what_it_is():

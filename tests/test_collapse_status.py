@@ -13,12 +13,12 @@ import pytest
 import torch
 import yaml
 
-from moe_lab.rl import health
+from moe_lab.store import health
 from moe_lab.analysis import results
 from moe_lab.cli import main
 from moe_lab.config import apply_overrides, load_yaml
-from moe_lab.rl.run_folder import run_status
-from moe_lab.rl.runlog import machine_info
+from moe_lab.store.run_folder import run_status
+from moe_lab.store.runlog import machine_info
 from moe_lab.launch.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from moe_lab.rl import health
+from moe_lab.store import health
 from moe_lab.config import ConfigError, apply_overrides, from_dict, load_yaml, validate
 from moe_lab.rl.distributed import (check_data_parallel, combine_metrics, group_minibatch_indices, rank_groups,
                                  _resume_state)
@@ -392,7 +392,7 @@ def test_a_run_folder_written_before_per_group_seeding_reads_as_sequential(tmp_p
     means the default."""
     from moe_lab.analysis.tables import load_runs
     from moe_lab.config import dump_yaml, upgrade_run_config
-    from moe_lab.rl.runlog import config_state
+    from moe_lab.store.runlog import config_state
 
     current = validate(from_dict(SMOKE["base"]))
     assert current.rl.rollout_seeding == "per_group"

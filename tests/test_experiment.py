@@ -88,7 +88,7 @@ def test_a_run_written_before_a_field_existed_is_the_same_config(tmp_path):
     """config.yaml files of finished runs (committed references) lack fields added since: read back with their
     defaults they are the same config, so adding a field never makes them conflicts; a changed value still is."""
     from moe_lab.config import RunConfig, dump_yaml
-    from moe_lab.rl.runlog import config_state
+    from moe_lab.store.runlog import config_state
 
     text = dump_yaml(RunConfig())
     older = "".join(line for line in text.splitlines(keepends=True) if "decomp_every" not in line)

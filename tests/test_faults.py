@@ -15,10 +15,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moe_lab.rl import checkpoint
 from moe_lab.rl import coldstart
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
-from moe_lab.rl.runlog import RunLock, RunLocked, read_rows, rows_digest
+from moe_lab.store import checkpoint_state
+from moe_lab.store.files import read_rows, rows_digest
+from moe_lab.store.runlog import RunLock, RunLocked
 from moe_lab.launch.runner import run_experiment
 from moe_lab.rl.loop import train
 
@@ -117,7 +118,7 @@ def test_ctrl_c_stops_workers_marks_runs_and_exits_130(tmp_path, cache):
     assert [m["status"] for m in manifests] == ["interrupted", "interrupted"], manifests
     # what was committed before the interrupt resumes: the checkpoint still verifies against the tables
     for run in out.glob("runs/*"):
-        assert checkpoint.read_state(run / "checkpoint") is not None
+        assert checkpoint_state.read_state(run / "checkpoint") is not None
 
 
 # --------------------------------------------------------------------------- one writer per run folder
@@ -168,11 +169,11 @@ def test_two_concurrent_runners_one_table_and_a_message_from_the_loser(tmp_path,
     table = pd.read_parquet(out / "runs" / "grpo-s0" / "metrics.parquet")
     assert table["update"].tolist() == list(range(80 * exp["base"]["rl"]["minibatches"]))
     assert json.loads(manifest.read_text())["status"] == "done"
-    assert checkpoint.read_state(out / "runs" / "grpo-s0" / "checkpoint") is not None
+    assert checkpoint_state.read_state(out / "runs" / "grpo-s0" / "checkpoint") is not None
 
 
 def test_a_dead_holders_lock_never_blocks(tmp_path):
-    code = ("import sys, time; from moe_lab.rl.runlog import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from moe_lab.store.runlog import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -227,7 +228,7 @@ def test_resume_refuses_tables_that_do_not_match_the_checkpoint(finished, damage
         marker.write_text(marker.read_text().replace('"step": 4', '"step": 99'))
     else:
         (run_dir / "eval.parquet").unlink()
-    with pytest.raises(checkpoint.ResumeError, match=needle) as err:
+    with pytest.raises(checkpoint_state.ResumeError, match=needle) as err:
         train(cfg, run_dir, run_id="r")
     assert "delete" in str(err.value)  # says what to do
 
@@ -269,10 +270,10 @@ def test_extra_rows_after_the_checkpoint_are_dropped_not_refused(finished, tmp_p
     # pretend the last commit was at step 2: rewrite the marker as a step-2 checkpoint would have sealed it
     state.update(step=2, rows=4, eval_rows=2)
     state.pop("tables"), state.pop("digest")
-    state["tables"] = checkpoint.table_records(run_dir, state)
-    state["digest"] = checkpoint._state_digest(state)
+    state["tables"] = checkpoint_state.table_records(run_dir, state)
+    state["digest"] = checkpoint_state.state_digest(state)
     ckpt.write_text(json.dumps(state))
-    got = checkpoint.read_state(run_dir / "checkpoint")
+    got = checkpoint_state.read_state(run_dir / "checkpoint")
     assert got is not None and got[0]["step"] == 2
     assert len(ref) == 8  # the table still holds rows 5..8 beyond the commit: allowed, they are rewritten
 

@@ -1,4 +1,4 @@
-"""moe_lab.rl.health: collapse rules on synthetic reward traces, resume = uninterrupted, stop reasons."""
+"""moe_lab.store.health: collapse rules on synthetic reward traces, resume = uninterrupted, stop reasons."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from moe_lab.rl import health
+from moe_lab.store import health
 from moe_lab.config import RLConfig
 
 DEFAULTS = health.CollapseParams.from_config(RLConfig())

@@ -16,7 +16,7 @@ from moe_lab.cli import main
 from moe_lab.config import dump_yaml
 from moe_lab.launch.experiment import expand
 from moe_lab.launch.progress import collect, time_left
-from moe_lab.rl.runlog import RunLock
+from moe_lab.store.runlog import RunLock
 
 EXP = {"name": "tiny_blocks",
        "base": {"rl": {"steps": 20}},

@@ -1,4 +1,4 @@
-"""One reader of a results folder (moe_lab/rl/run_folder.py): the runner, `progress`, `compare`'s tables and `verify`
+"""One reader of a results folder (moe_lab/store/run_folder.py): the runner, `progress`, `compare`'s tables and `verify`
 agree on which runs are finished, a finished manifest whose tables do not hold its committed rows included."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from moe_lab.launch.experiment import expand
 from moe_lab.launch.progress import collect
 from moe_lab.launch.runner import plan
 from moe_lab.rl import checkpoint
-from moe_lab.rl.run_folder import DONE, RESUME, UNVERIFIED, ResultsFolder, RunFolder, upgrade_manifest
+from moe_lab.store.run_folder import ResultsFolder, RunFolder, upgrade_manifest
+from moe_lab.store.status import CELL_DONE, CELL_RESUME, STATUS_UNVERIFIED
 
 EXP = {"name": "tiny", "base": {"rl": {"steps": 4}}, "arms": {"grpo": {"rl": {"algo": "grpo"}}},
        "seeds": [0, 1, 2, 3, 4, 5]}
@@ -71,12 +72,12 @@ def results(tmp_path):
 def test_progress_compare_and_verify_call_finished_exactly_what_the_runner_calls_done(results):
     cells = expand(EXP)
     groups = plan(cells, results / "runs", overwrite=False)
-    done = {c.run_id for c in groups[DONE]}
+    done = {c.run_id for c in groups[CELL_DONE]}
     ids = [c.run_id for c in cells]
-    assert done == {ids[0], ids[1], ids[5]} and {c.run_id for c in groups[RESUME]} == {ids[2], ids[3], ids[4]}
+    assert done == {ids[0], ids[1], ids[5]} and {c.run_id for c in groups[CELL_RESUME]} == {ids[2], ids[3], ids[4]}
     _, progress = collect(results)
     assert {p.run_id for p in progress if p.state == "finished"} == done
-    assert {p.run_id: p.state for p in progress if p.run_id not in done} == {i: UNVERIFIED for i in ids[2:5]}
+    assert {p.run_id: p.state for p in progress if p.run_id not in done} == {i: STATUS_UNVERIFIED for i in ids[2:5]}
     with pytest.warns(UserWarning, match=f"skipping run .*{ids[4]}"):  # no metrics table left to read
         metrics, evals = load_runs(results)
     statuses = metrics.groupby("run_id")["status"].first()
@@ -111,9 +112,9 @@ def test_the_upgrade_reads_older_layouts_as_todays():
 def test_progress_words_each_cell_as_the_runner_plans_it(results):
     """Every folder of a results folder, as progress reads it, is in the runner's cell state: finished = done, other
     config = conflict, not started = new, every other word = resume (failed, interrupted, stopped, unverified)."""
-    from moe_lab.rl.runlog import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, PROGRESS_CONFLICT,
-                                   PROGRESS_FINISHED, PROGRESS_NEW, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING,
-                                   STATUS_STOPPED)
+    from moe_lab.store.status import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, PROGRESS_CONFLICT,
+                                      PROGRESS_FINISHED, PROGRESS_NEW, STATUS_FAILED, STATUS_INTERRUPTED,
+                                      STATUS_RUNNING, STATUS_STOPPED)
 
     exp = {**EXP, "seeds": list(range(11))}
     (results / "experiment.yaml").write_text(yaml.safe_dump(exp), encoding="utf-8")
@@ -131,7 +132,7 @@ def test_progress_words_each_cell_as_the_runner_plans_it(results):
         plan(cells, results / "runs", overwrite=False)
     states = {c.run_id: RunFolder(results / "runs" / c.run_id).cell_state(dump_yaml(c.config)) for c in cells}
     assert {i: expected.get(w, CELL_RESUME) for i, w in word.items()} == states
-    assert set(word.values()) == {PROGRESS_FINISHED, UNVERIFIED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_STOPPED,
+    assert set(word.values()) == {PROGRESS_FINISHED, STATUS_UNVERIFIED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_STOPPED,
                                   PROGRESS_CONFLICT, PROGRESS_NEW}
 
 
@@ -140,7 +141,7 @@ def test_every_lister_of_run_folders_names_the_same_runs_beside_stray_folders(re
     a folder of notes, an empty one and one of plots are none of them."""
     from moe_lab.analysis.tables import find_run_dirs
     from moe_lab.launch.coldstart_origin import coldstart_records
-    from moe_lab.rl.run_folder import run_dirs
+    from moe_lab.store.run_folder import run_dirs
 
     runs = results / "runs"
     (runs / "notes").mkdir()
@@ -160,18 +161,19 @@ def test_every_lister_of_run_folders_names_the_same_runs_beside_stray_folders(re
 
 
 def test_no_module_spells_a_status_word_of_its_own():
-    """The status vocabulary is declared once (rl/runlog.py): the runner, progress, the run folder, the tables, the
+    """The status vocabulary is declared once (store/status.py): the runner, progress, the run folder, the tables, the
     trackers and the commands compare and write the names, never a literal word (docstrings aside)."""
     import ast
 
     import moe_lab
-    from moe_lab.rl import runlog
+    from moe_lab.store import status
 
-    words = {*runlog.MANIFEST_STATUSES, runlog.STATUS_UNVERIFIED, runlog.STATUS_STOPPED, runlog.STATUS_LOCKED,
-             *runlog.CELL_STATES, *runlog.PROGRESS_STATES}
+    words = {*status.MANIFEST_STATUSES, status.STATUS_UNVERIFIED, status.STATUS_STOPPED, status.STATUS_LOCKED,
+             *status.CELL_STATES, *status.PROGRESS_STATES}
     pkg = Path(moe_lab.__file__).parent
     files = [pkg / f for f in ("launch/progress.py", "launch/runner.py", "launch/ray_backend.py", "launch/tracking.py",
-                               "rl/run_folder.py", "analysis/tables.py", "analysis/figures.py")]
+                               "store/run_folder.py", "analysis/tables.py", "analysis/figures.py", "rl/loop.py",
+                               "rl/distributed.py", "audit/verify.py")]
     files += sorted((pkg / "commands").glob("*.py"))
     found = []
     for path in files:

@@ -15,7 +15,8 @@ import torch
 from moe_lab.launch import tracking
 from moe_lab.launch.tracking import STREAMED_FILE, TrackerError, TrackerStream
 from moe_lab.rl import checkpoint
-from moe_lab.rl.runlog import EVAL_FILE, METRICS_FILE, STATUS_DONE, STATUS_INTERRUPTED, STATUS_RUNNING
+from moe_lab.store.layout import EVAL_FILE, METRICS_FILE
+from moe_lab.store.status import STATUS_DONE, STATUS_INTERRUPTED, STATUS_RUNNING
 
 ROOT = Path(__file__).resolve().parents[1]
 

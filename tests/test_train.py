@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moe_lab.rl import health
+from moe_lab.store import health
 from moe_lab.config import apply_overrides, from_dict, load_yaml, validate
 from moe_lab.launch.experiment import expand
 from moe_lab.algos.ratio_metrics import DECOMP_KEYS

@@ -17,8 +17,8 @@ from moe_lab.cli import main
 from moe_lab.config import apply_overrides, load_yaml
 from moe_lab.audit import verdicts, verify
 from moe_lab.launch.runner import run_experiment
-from moe_lab.rl import cpuinfo
-from moe_lab.rl.runlog import machine_info
+from moe_lab.store import cpuinfo
+from moe_lab.store.runlog import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = load_yaml(str(ROOT / "experiments" / "smoke.yaml"))

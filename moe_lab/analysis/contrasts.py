@@ -28,7 +28,7 @@ from moe_lab.analysis.stats import (block_diffs, cold_start_level, combination_c
                                     permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
 from moe_lab.launch.design import Contrast
 from moe_lab.launch.spec import parse_experiment
-from moe_lab.rl.run_folder import as_results
+from moe_lab.store.run_folder import as_results
 
 
 # --------------------------------------------------------------------------- the declared contrasts

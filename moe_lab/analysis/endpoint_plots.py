@@ -25,8 +25,8 @@ from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_linestyle, a
                                     new_figure, styled)
 from moe_lab.launch.experiment import EndpointSpec
 from moe_lab.launch.spec import parse_experiment
-from moe_lab.rl.run_folder import ResultsFolder, as_results
-from moe_lab.rl.runlog import FINISHED
+from moe_lab.store.run_folder import ResultsFolder, as_results
+from moe_lab.store.status import FINISHED
 
 RUN_COLUMNS = ("experiment", "run_id", "arm", "arm_base", "seed")
 WINDOW_COLOR, REFERENCE_COLOR = "0.85", "0.35"

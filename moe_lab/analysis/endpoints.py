@@ -6,7 +6,7 @@ comparison):
 
 - primary: per seed, the mean greedy accuracy over the last 5 scheduled evaluations (eval/acc_greedy);
 - secondary: per seed, the mean sampled reward over the last 25% of the scheduled RL steps (reward/mean);
-- tertiary, descriptive only: whether the run collapsed (a collapse rule fired; rl/health.py).
+- tertiary, descriptive only: whether the run collapsed (a collapse rule fired; store/health.py).
 
 A run a collapse rule stopped has no rows after its stop: its last value is carried forward over the steps it
 did not reach (the policy it stopped with is its final policy), so an early stop is neither dropped nor
@@ -33,8 +33,8 @@ from moe_lab.analysis.stats import mean_ci, permutation_p, welch_diff_ci
 from moe_lab.config import ConfigError
 from moe_lab.launch.experiment import EndpointSpec, endpoint_spec  # noqa: F401  (the spec lives with the file format)
 from moe_lab.launch.spec import parse_experiment
-from moe_lab.rl.run_folder import ResultsFolder, as_results
-from moe_lab.rl.runlog import FINISHED
+from moe_lab.store.run_folder import ResultsFolder, as_results
+from moe_lab.store.status import FINISHED
 
 
 

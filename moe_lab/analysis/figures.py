@@ -121,7 +121,7 @@ def _endpoint_figures(metrics: pd.DataFrame, evals: pd.DataFrame, exp: Experimen
 def _design(results_dir: Path) -> dict | None:
     """The experiment.yaml the runner wrote beside runs/, if readable (the atlas's factors, the endpoints); parsed
     once, by planned_figures."""
-    from moe_lab.rl.run_folder import ResultsFolder
+    from moe_lab.store.run_folder import ResultsFolder
 
     try:
         return ResultsFolder(results_dir).experiment()

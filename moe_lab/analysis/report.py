@@ -24,7 +24,7 @@ from moe_lab.analysis.stats import detectable_difference
 from moe_lab.config import ConfigError
 from moe_lab.launch.progress import finished_of
 from moe_lab.launch.spec import Experiment, parse_experiment
-from moe_lab.rl.run_folder import ResultsFolder
+from moe_lab.store.run_folder import ResultsFolder
 
 REPORT_FILE = "REPORT.md"
 # a number as a verdict writes it: optional sign, digits, decimals, exponent; not inside a word (R3, k3, 1e-3 ok)

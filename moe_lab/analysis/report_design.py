@@ -17,7 +17,7 @@ import yaml
 from moe_lab.analysis.tables import flatten
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.spec import Experiment
-from moe_lab.rl.run_folder import ResultsFolder, first_segments
+from moe_lab.store.run_folder import ResultsFolder, first_segments
 
 
 def utc(t: float | None) -> str:

@@ -16,7 +16,7 @@ from moe_lab.analysis.tables import (  # noqa: F401 - re-exported
     base_arm, check_columns, final_values, find_run_dirs, flatten, last_frac_means, load_runs,
     per_run_step, per_step, reference_dir, run_keys,
 )
-from moe_lab.rl.runlog import FINISHED
+from moe_lab.store.status import FINISHED
 
 
 def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[str] = ("arm",),
@@ -27,7 +27,7 @@ def summarize(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, by: Sequence[s
     mean over the last ``last_frac`` of each run's steps of every SUMMARY_METRICS column. Each quantity q
     gives q (mean over runs), q_lo and q_hi (95% t-interval over runs; NaN with a single run). A metric
     absent from the frame gives NaN columns rather than an error: some runs do not log every metric.
-    Collapse (moe_lab/rl/health.py): collapses (runs with a collapsed_at), collapse_rate with its Wilson 95%
+    Collapse (moe_lab/store/health.py): collapses (runs with a collapsed_at), collapse_rate with its Wilson 95%
     interval collapse_rate_lo/_hi, collapse_step_median over the collapsed runs.
     """
     by = [by] if isinstance(by, str) else list(by)

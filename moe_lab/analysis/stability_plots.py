@@ -90,7 +90,7 @@ def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Fig
     ax.set(xlabel=STEP, ylabel="share of runs not yet collapsed", ylim=(-0.03, 1.05),
            title="survival (censored at each run's last step)")
     figure_legend(fig, ax)
-    fig.suptitle("Collapse survival per arm (rules: moe_lab/rl/health.py)")
+    fig.suptitle("Collapse survival per arm (rules: moe_lab/store/health.py)")
     return fig
 
 

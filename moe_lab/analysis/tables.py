@@ -8,10 +8,10 @@ Layout read (written by the runner, see docs/metrics.md)::
 
 ``load_runs`` gives one row per minibatch update (metrics) and one per evaluation (eval), each carrying
 every resolved config field as a column named by its dotted path ("rl.clip_low", "model.num_experts"),
-the manifest's "status" as moe_lab/rl/run_folder.py reads it ('collapsed' for a run a collapse rule stopped,
+the manifest's "status" as moe_lab/store/run_folder.py reads it ('collapsed' for a run a collapse rule stopped,
 including a 'failed' manifest that a collapse rule wrote without that status; 'unverified' for a finished manifest whose tables
 do not hold the rows the run committed, which the runner runs again) and "reason", its "collapsed_at" (step, NaN = never) and "collapse_rule" ("" = none;
-see moe_lab/rl/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
+see moe_lab/store/health.py), and derived columns: "arm_base" (the arm without its sweep label), "factor" and
 "level" (the label's field(s) and value(s): 'grpo__rl.router_noise=0.1' -> 'rl.router_noise', '0.1'; None
 without a label), "rl.clip_low_resolved" / "rl.clip_high_resolved" (the clip range in force: a config's None
 means the paper's default for the algorithm, which a sweep plot needs as a number).
@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from moe_lab.rl import health
+from moe_lab.store import health
 from moe_lab.analysis.stats import ci_columns
 from moe_lab.config import upgrade_run_config
 from moe_lab.config.constants import PAPER_CLIP
-from moe_lab.rl.run_folder import RUNS_DIR, RunFolder, is_run_dir, run_dirs
-from moe_lab.rl.runlog import FINISHED, STATUS_FAILED
+from moe_lab.store.run_folder import RunFolder, experiment_name, runs_under
+from moe_lab.store.status import FINISHED, STATUS_FAILED
 ID_COLUMNS = ("run_id", "arm", "algo", "replay", "seed")
 RUN_KEYS = ("experiment", "run_id")  # a run is unique by these two when several experiments are loaded
 SUMMARY_EVAL = ("eval/acc_greedy", "eval/acc_sampled")
@@ -80,18 +80,12 @@ def flatten(data: dict, prefix: str = "") -> dict:
 
 def find_run_dirs(path: str | Path) -> list[Path]:
     """Run folders under an experiment folder, a runs/ folder, or a run folder itself (which subfolders are runs:
-    run_folder.run_dirs, the runner's answer)."""
+    run_folder.runs_under, the runner's answer)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"path: {str(path)!r} is not a folder; expected an experiment folder, a runs/ folder "
                          "or a run folder")
-    if is_run_dir(path):
-        return [path]
-    return run_dirs(path / RUNS_DIR if (path / RUNS_DIR).is_dir() else path)
-
-
-def _experiment_name(run_dir: Path) -> str:
-    return run_dir.parent.parent.name if run_dir.parent.name == RUNS_DIR else run_dir.parent.name
+    return runs_under(path)
 
 
 def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -105,7 +99,7 @@ def _read_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     run_cols = {k: manifest.get(k) for k in ID_COLUMNS}
     run_cols.update({k: v for k, v in flatten(upgrade_run_config(config)).items() if k not in ID_COLUMNS})
     run_cols.update(status=run.verified_status(), reason=manifest.get("reason", ""),
-                    experiment=_experiment_name(run_dir), run_dir=str(run_dir))
+                    experiment=experiment_name(run_dir), run_dir=str(run_dir))
     run_cols.update(_collapse(manifest, config, metrics))
     return _with_run_columns(metrics, run_cols), _with_run_columns(evals, run_cols)
 

@@ -34,8 +34,8 @@ from moe_lab.rl.components import Trainee, installed
 from moe_lab.rl.loop import make_rollout_policy
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, token_logprobs
-from moe_lab.rl.run_folder import RunFolder
-from moe_lab.rl.runlog import CHECKPOINT_DIR
+from moe_lab.store.run_folder import RunFolder
+from moe_lab.store.checkpoint_state import read_state
 from moe_lab.rl.step import rl_step, updates_per_step
 from moe_lab.routing import predictor, router_mismatch
 from moe_lab.tasks import get_task, load_tokenizer
@@ -61,8 +61,8 @@ def resolve(source: str, overrides: list[str]) -> Source:
         if not folder.config_path.is_file():
             raise ConfigError(f"RUN_OR_CONFIG {source!r}: a folder without {folder.config_path.name}, not a run folder")
         cfg = validate(from_dict(apply_overrides(folder.config(), list(overrides))))
-        ckpt = path / CHECKPOINT_DIR
-        found = checkpoint.read_state(ckpt) is not None
+        ckpt = folder.checkpoint_dir
+        found = read_state(ckpt) is not None
         label = f"run {path.name}" + (f" with {' '.join(overrides)}" if overrides else "")
         return Source(cfg, ckpt if found else None, label + ("" if found else " (no checkpoint: cold start)"))
     if not path.is_file():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from moe_lab.rl.cpuinfo import identity_differences
+from moe_lab.store.cpuinfo import identity_differences
 
 TIMING_PREFIX = "perf/"
 # the machine keys that change kernels besides the processor (runlog.machine_info)

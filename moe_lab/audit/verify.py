@@ -36,8 +36,8 @@ from moe_lab.config import ConfigError, from_dict, set_dotted, validate
 from moe_lab.config.constants import MACHINE_ENV
 from moe_lab.audit import verdicts
 from moe_lab.launch.spec import Experiment, parse_experiment
-from moe_lab.rl.run_folder import ResultsFolder, RunFolder
-from moe_lab.rl.runlog import FINISHED
+from moe_lab.store.run_folder import ResultsFolder, RunFolder
+from moe_lab.store.status import FINISHED
 
 NOT_DONE = ("the reference's tables do not hold the rows its checkpoint or manifest committed (the runner would run "
             "it again)")

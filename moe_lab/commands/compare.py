@@ -28,7 +28,7 @@ def main(args) -> int:
     from moe_lab.analysis.contrasts import format_declared, load_declared
     from moe_lab.analysis.endpoints import format_comparison, load_comparison
 
-    from moe_lab.rl.run_folder import ResultsFolder
+    from moe_lab.store.run_folder import ResultsFolder
 
     folder = ResultsFolder(args.results)  # one reading of its experiment.yaml for the calls below
     spec, per_run, arms, pairs = load_comparison(folder, args.baseline)
@@ -56,7 +56,7 @@ def interim_note(results) -> str | None:
     finished (never started ones included, which the tables cannot see): an analysis fixed before the runs is the
     one after the last run, not this one."""
     from moe_lab.launch.progress import finished_of
-    from moe_lab.rl.run_folder import as_results
+    from moe_lab.store.run_folder import as_results
 
     results = as_results(results)
     counted = finished_of(results)

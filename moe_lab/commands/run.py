@@ -122,7 +122,7 @@ def run_cells(exp: dict, out: str, args) -> int:
                               seeds=_seeds(args.seeds), overwrite=args.overwrite, progress=not args.no_progress,
                               report_to=args.report_to, backend=backend)
     _print_summary(Path(out))
-    from moe_lab.rl.runlog import FINISHED, STATUS_COLLAPSED
+    from moe_lab.store.status import FINISHED, STATUS_COLLAPSED
 
     collapsed = [r for r, s in statuses.items() if s == STATUS_COLLAPSED]
     if collapsed:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_lab.config import load_yaml
-from moe_lab.rl.run_folder import ResultsFolder
+from moe_lab.store.run_folder import ResultsFolder
 
 if TYPE_CHECKING:
     from moe_lab.launch.spec import Experiment

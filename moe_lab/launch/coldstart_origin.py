@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from moe_lab.rl.run_folder import RunFolder, run_dirs
+from moe_lab.store.run_folder import RunFolder, run_dirs
 
 NOTE = "moe-lab: note: "
 

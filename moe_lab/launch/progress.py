@@ -2,7 +2,7 @@
 
 A long experiment runs over several sessions, and its analysis is fixed before the first run (docs/findings.md);
 looking at part of its results is what that rule forbids. So this command reads only what the runner
-bookkeeps — each cell's state as the runner sees it (moe_lab/rl/run_folder.py: a run counts as finished only when
+bookkeeps — each cell's state as the runner sees it (moe_lab/store/run_folder.py: a run counts as finished only when
 its tables hold the rows it committed), its steps done, its wall time and the pid in its `.lock` — and never
 an endpoint: a collapsed run counts as finished like a done one (the collapse rate is the tertiary endpoint),
 and the pace is pooled over all finished runs, never per arm (a collapsed run stops early, so wall time per arm
@@ -23,10 +23,10 @@ from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.coldstart_origin import mixed_notes
 from moe_lab.launch.experiment import Cell
 from moe_lab.launch.spec import Experiment, parse_experiment
-from moe_lab.rl.run_folder import ResultsFolder, RunFolder, as_results
-from moe_lab.rl.runlog import (CELL_CONFLICT, CELL_DONE, PROGRESS_CONFLICT, PROGRESS_FINISHED, PROGRESS_NEW,
-                               PROGRESS_STATES, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING, STATUS_STOPPED,
-                               STATUS_UNVERIFIED)
+from moe_lab.store.run_folder import ResultsFolder, RunFolder, as_results
+from moe_lab.store.status import (CELL_CONFLICT, CELL_DONE, PROGRESS_CONFLICT, PROGRESS_FINISHED, PROGRESS_NEW,
+                                  PROGRESS_STATES, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING, STATUS_STOPPED,
+                                  STATUS_UNVERIFIED)
 
 # the states a cell can be in, in the order they are printed (declared in runlog with every status word): the runner's
 # (run_folder.CELL_STATES) in words, its 'resume' told apart by what the manifest and the .lock say ('unverified': the

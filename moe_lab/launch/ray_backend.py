@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from moe_lab.launch.experiment import Cell
-from moe_lab.rl.runlog import FINISHED, STATUS_COLLAPSED, STATUS_FAILED
+from moe_lab.store.status import FINISHED, STATUS_COLLAPSED, STATUS_FAILED
 
 PROBE_TIMEOUT_S = 3.0
 
@@ -88,7 +88,7 @@ def progress_line(done: int, running: int, failed: int, total: int, collapsed: i
 def _failed_by_ray(cell: Cell, run_dir: Path, exc: BaseException) -> tuple[str, str]:
     """A task Ray gave up on (its retries spent on dead nodes): say so in the run's manifest."""
     from moe_lab.rl.loop import run_info
-    from moe_lab.rl.run_folder import RunFolder
+    from moe_lab.store.run_folder import RunFolder
 
     RunFolder(run_dir).record(STATUS_FAILED, run_info(cell.config, cell.run_id, cell.arm),
                               f"ray: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

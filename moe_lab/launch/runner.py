@@ -28,9 +28,10 @@ from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.experiment import Cell
 from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.launch.coldstart_origin import warmed_here_notes
-from moe_lab.rl.run_folder import ResultsFolder, RunFolder
-from moe_lab.rl.runlog import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, CELL_STATES, STATUS_DONE, STATUS_FAILED,
-                               STATUS_LOCKED, RunLocked, RunLock)
+from moe_lab.store.run_folder import ResultsFolder, RunFolder
+from moe_lab.store.runlog import RunLock, RunLocked
+from moe_lab.store.status import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, CELL_STATES, STATUS_DONE,
+                                  STATUS_FAILED, STATUS_LOCKED)
 
 PARENT_POLL_S = 0.5
 
@@ -117,7 +118,7 @@ def train_worker(cell: Cell, run_dir: str) -> tuple[str, str]:
 
 def _machine_or_nothing() -> dict:
     try:  # the manifest of a run that failed still says where; never a second error on the way
-        from moe_lab.rl.runlog import machine_info
+        from moe_lab.store.runlog import machine_info
 
         return {"machine": machine_info()}
     except Exception:

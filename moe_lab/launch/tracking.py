@@ -38,8 +38,9 @@ from typing import Protocol
 import pandas as pd
 
 from moe_lab.config import ConfigError
-from moe_lab.rl.run_folder import RunFolder
-from moe_lab.rl.runlog import RUN_TABLES, atomic_write_text, rows_digest
+from moe_lab.store.run_folder import RunFolder
+from moe_lab.store.files import atomic_write_text, rows_digest
+from moe_lab.store.layout import RUN_TABLES
 
 ID_COLUMNS = ("step", "minibatch", "update", "seed")
 # wandb: the key each table's x is logged under; the evals' apart from `step`, which wandb reserves

@@ -280,7 +280,7 @@ def _move_aside(entry: Path, why: str) -> None:
 
 def _seal(tmp: Path) -> None:
     """fsync the entry's files, make it readable like any result (mkdtemp makes it 0700)."""
-    from moe_lab.rl.runlog import fsync_path, public_mode
+    from moe_lab.store.files import fsync_path, public_mode
 
     for f in tmp.rglob("*"):
         if f.is_file():
@@ -298,7 +298,7 @@ def _publish(tmp: Path, final: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     else:
-        from moe_lab.rl.runlog import fsync_path
+        from moe_lab.store.files import fsync_path
 
         fsync_path(final.parent)
     return final

@@ -44,9 +44,10 @@ from moe_lab.config import ConfigError, RunConfig, apply_overrides, from_dict, l
 from moe_lab.rl import checkpoint
 from moe_lab.rl.dp_split import check_data_parallel, combine_metrics, rank_groups
 from moe_lab.rl.groups import group_minibatch_indices
-from moe_lab.rl.loop import TrainState, train
-from moe_lab.rl.runlog import CHECKPOINT_DIR, FINISHED
 from moe_lab.rl.collect import collect
+from moe_lab.rl.loop import TrainState, train
+from moe_lab.store.run_folder import RunFolder
+from moe_lab.store.status import FINISHED
 
 # ----------------------------------------------------------------------------- the split of a process group
 
@@ -71,8 +72,8 @@ class DataParallel:
         result = _on_rank0_first(lambda: (claim(), setup())[1])
         return result if self.rank == 0 else setup()
 
-    def resume_state(self, run_dir: Path, policy, optimizer) -> TrainState:
-        state = _resume_state(run_dir, policy, optimizer, self.world)
+    def resume_state(self, folder: RunFolder, policy, optimizer) -> TrainState:
+        state = _resume_state(folder.checkpoint_dir, policy, optimizer, self.world)
         device_ids = [policy.device.index] if policy.device.type == "cuda" else None
         # unselected experts get no gradient in a step: DDP must look for unused parameters
         self.ddp_policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=device_ids,
@@ -180,14 +181,14 @@ def _on_rank0_first(fn):
     return result
 
 
-def _resume_state(run_dir: Path, policy, optimizer, world: int) -> TrainState:
-    state = checkpoint.load(run_dir / CHECKPOINT_DIR, policy, optimizer)
+def _resume_state(ckpt_dir: Path, policy, optimizer, world: int) -> TrainState:
+    state = checkpoint.load(ckpt_dir, policy, optimizer)
     if state is None:
         return TrainState(extra={"world_size": world})
     saved = state.get("world_size")
     if saved != world:
         what = "a single-process run" if saved is None else f"world size {saved}"
-        raise ConfigError(f"{run_dir / 'checkpoint'} was written by {what}; resuming it with world size {world} "
+        raise ConfigError(f"{ckpt_dir} was written by {what}; resuming it with world size {world} "
                           f"would change the sampling split: resume with --nproc-per-node {saved or 1}"
                           f"{'' if saved else ' through moe-lab run'} or use another --out")
     return TrainState.from_dict(state)

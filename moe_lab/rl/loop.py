@@ -3,7 +3,7 @@
 A run never raises on a training pathology: NaN/inf and a collapsed reward end it with status ``collapsed``
 (final like ``done``: its last evaluation is of the policy it stopped with) and a reason in its manifest, so
 that one bad cell never takes down a batch of runs. The manifest also records
-``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/rl/health.py that fired (soft rules
+``collapsed_at`` / ``collapse_rule``: the first step and rule of moe_lab/store/health.py that fired (soft rules
 mark the run without stopping it unless rl.stop_on_collapse).
 
 This is the one loop of every run. A plain run (``moe-lab run``) goes through it with step.SingleProcess;
@@ -24,15 +24,17 @@ import torch
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.models import load_model, resolve_device
 from moe_lab.models.numerics import RolloutNumerics
-from moe_lab.rl import checkpoint, health, seeds
+from moe_lab.rl import checkpoint, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.components import Components, Trainee
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
-from moe_lab.rl.run_folder import RunFolder, first_segments
-from moe_lab.rl.runlog import (CHECKPOINT_DIR, CONFIG_FILE, STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING, RunLog,
-                               atomic_write_text, config_state, machine_info)
 from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
+from moe_lab.store import health
+from moe_lab.store.files import atomic_write_text
+from moe_lab.store.run_folder import RunFolder, first_segments
+from moe_lab.store.runlog import RunLog, config_state, machine_info
+from moe_lab.store.status import CONFIG_OTHER, STATUS_COLLAPSED, STATUS_DONE, STATUS_RUNNING
 from moe_lab.tasks import get_task, load_tokenizer
 
 
@@ -90,13 +92,13 @@ def _health(cfg: RunConfig, log: RunLog) -> health.HealthState:
     return health.replay(health.CollapseParams.from_config(cfg.rl), log.rows)
 
 
-def _claim(run_dir: Path, config_text: str) -> None:
+def _claim(folder: RunFolder, config_text: str) -> None:
     """Write the run's config, or check that the folder already holds this very config (a resume)."""
-    if config_state(run_dir, config_text) == "other":
-        raise ConfigError(f"run folder {run_dir} holds a run of a different config; resuming it would mix two "
+    if config_state(folder.path, config_text) == CONFIG_OTHER:
+        raise ConfigError(f"run folder {folder.path} holds a run of a different config; resuming it would mix two "
                           "configs in one table: remove the folder or choose another")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / CONFIG_FILE, config_text)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder.config_path, config_text)
 
 
 def run_info(cfg: RunConfig, run_id: str, arm: str) -> dict:
@@ -143,8 +145,8 @@ class PlainRun(SingleProcess):
         claim()
         return setup()
 
-    def resume_state(self, run_dir: Path, policy, optimizer) -> TrainState:
-        return TrainState.from_dict(checkpoint.load(run_dir / CHECKPOINT_DIR, policy, optimizer))
+    def resume_state(self, folder: RunFolder, policy, optimizer) -> TrainState:
+        return TrainState.from_dict(checkpoint.load(folder.checkpoint_dir, policy, optimizer))
 
     def broadcast(self, obj):
         """The writer's object on every process."""
@@ -165,24 +167,24 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     validate(cfg)
     split.check(cfg)
     torch.set_num_threads(cfg.threads)
-    run_dir = Path(run_dir)
-    log = RunLog(run_dir, run_info(cfg, run_id, arm)) if split.writer else None
-    task, trainee = split.setup(lambda: _claim(run_dir, dump_yaml(cfg)), lambda: _setup(cfg, progress))
+    folder = RunFolder(run_dir)
+    log = RunLog(folder.path, run_info(cfg, run_id, arm)) if split.writer else None
+    task, trainee = split.setup(lambda: _claim(folder, dump_yaml(cfg)), lambda: _setup(cfg, progress))
     # the run-long sampling stream of rl.rollout_seeding=sequential (per_group draws from its own generators); after
     # setup: loading or warming up the model may draw numbers
     torch.manual_seed(seeds.run_seed(cfg.seed))
-    state = split.resume_state(run_dir, trainee.policy, trainee.optimizer)
-    trainee.components.resume(run_dir / CHECKPOINT_DIR, trainee.policy.device)
+    state = split.resume_state(folder, trainee.policy, trainee.optimizer)
+    trainee.components.resume(folder.checkpoint_dir, trainee.policy.device)
     if log:
         log.load(state.rows, state.eval_rows)
     # the health after the logged rows (only the writer holds them); from then on every process advances it
     # on the same global rows, so that all stop at the same step
     run_health = split.broadcast(_health(cfg, log) if log else None)
-    extra = {**split.manifest_extra(), **provenance(RunFolder(run_dir).manifest if log else {}, cfg, state.step)}
+    extra = {**split.manifest_extra(), **provenance(folder.manifest if log else {}, cfg, state.step)}
     extra["machine"] = extra["segments"][-1]["machine"]  # this start's, as the last segment records it
     if log:
         log.write_manifest(STATUS_RUNNING, resumed_from_step=state.step, **extra, **run_health.manifest())
-    reason = _loop(cfg, task, trainee, log, state, run_dir, run_health, split,
+    reason = _loop(cfg, task, trainee, log, state, folder.checkpoint_dir, run_health, split,
                    _progress(range(state.step, cfg.rl.steps), progress, run_id))
     status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
     if log:
@@ -213,7 +215,7 @@ def provenance(prior: dict, cfg: RunConfig, step: int) -> dict:
     return {"coldstart": segments[0]["coldstart"], "segments": segments}
 
 
-def _loop(cfg, task, trainee: Trainee, log: RunLog | None, state: TrainState, run_dir: Path, run_health, split,
+def _loop(cfg, task, trainee: Trainee, log: RunLog | None, state: TrainState, ckpt_dir: Path, run_health, split,
           steps) -> str:
     policy, parts = trainee.policy, trainee.components
     eval_prompts = task.eval_prompts()
@@ -242,7 +244,7 @@ def _loop(cfg, task, trainee: Trainee, log: RunLog | None, state: TrainState, ru
                 if state.step == cfg.rl.steps:
                     log.add_eval(_evaluate(policy, task, eval_prompts, cfg, state.step))
                 state.rows, state.eval_rows = log.flush()
-                checkpoint.save(run_dir / CHECKPOINT_DIR, policy, trainee.optimizer, state.to_dict(), **parts.saved())
+                checkpoint.save(ckpt_dir, policy, trainee.optimizer, state.to_dict(), **parts.saved())
             split.barrier()  # no process runs ahead of a checkpoint it might have to resume from
     return ""
 

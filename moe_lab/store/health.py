@@ -16,7 +16,7 @@ entropy, whether every update's loss and gradient were finite). Rules, checked i
   that precedes gibberish in GRPO collapses). No entropy-collapse-to-0 rule: on these deterministic tasks a
   confident, correct policy has entropy near 0 too, so low entropy is not a failure by itself.
 
-A run a rule stops ends with manifest status ``collapsed``: finished and final like ``done`` (moe_lab/rl/runlog.py).
+A run a rule stops ends with manifest status ``collapsed``: finished and final like ``done`` (moe_lab/store/runlog.py).
 A soft rule marks the run collapsed but lets it continue (curves of every seed stay the same length and
 comparable) unless ``rl.stop_on_collapse``. ``collapsed_at`` is the step at which the first rule fired
 (detection, not onset: what an online monitor can know), ``collapse_rule`` its name. The state is a pure

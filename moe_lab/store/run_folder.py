@@ -5,6 +5,7 @@ Layout (file names declared once, in ``runlog``, the writer, and here for the re
     <results>/experiment.yaml            the experiment as the runner ran it (``ResultsFolder.experiment``)
     <results>/runs/<run_id>/             one ``RunFolder`` per cell: config.yaml, manifest.json, metrics.parquet,
                                          eval.parquet, checkpoint/, .lock (see ``runlog``)
+    <results>/coldstarts/<key>.json      each cold start's recipe and weights digest (``rl.coldstart_recipe``)
 
 A manifest is read once per ``RunFolder`` and through one upgrade of older layouts (``upgrade_manifest``), and a
 cell's state has one vocabulary, the runner's (declared with every status word in ``runlog``): ``new`` (no config
@@ -24,20 +25,15 @@ import os
 from pathlib import Path
 
 from moe_lab.config import load_yaml
-from moe_lab.rl.health import STOP_REASON_PREFIXES
-from moe_lab.rl.runlog import (CELL_STATES, CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, FINISHED, LOCK_FILE, MANIFEST_FILE,
-                               METRICS_FILE, RUN_TABLES, STATUS_COLLAPSED, STATUS_DONE, STATUS_FAILED,
-                               STATUS_INTERRUPTED, STATUS_UNVERIFIED, RunLock, RunLocked, RunLog, atomic_write_text,
-                               config_state, read_json)
+from moe_lab.store.checkpoint_state import ResumeError, read_state
+from moe_lab.store.files import atomic_write_text, read_json
+from moe_lab.store.health import STOP_REASON_PREFIXES
+from moe_lab.store.layout import (CHECKPOINT_DIR, COLDSTARTS_DIR, CONFIG_FILE, EVAL_FILE, EXPERIMENT_FILE, LOCK_FILE,
+                                  MANIFEST_FILE, METRICS_FILE, RUN_MARKERS, RUN_TABLES, RUNS_DIR)
+from moe_lab.store.runlog import RunLock, RunLocked, RunLog, config_state
+from moe_lab.store.status import (CELL_CONFLICT, CELL_DONE, CELL_NEW, CELL_RESUME, CONFIG_OTHER, CONFIG_SAME, FINISHED,
+                                  STATUS_COLLAPSED, STATUS_DONE, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_UNVERIFIED)
 
-EXPERIMENT_FILE = "experiment.yaml"
-RUNS_DIR = "runs"
-# the runner's cell states and a reader's word for an unconfirmed finished manifest, by their short names (declared
-# in runlog with every status word)
-NEW, DONE, RESUME, CONFLICT = CELL_STATES
-UNVERIFIED = STATUS_UNVERIFIED
-# a subfolder holding any of these is a run folder (a run killed before its first flush holds its config alone)
-RUN_MARKERS = (MANIFEST_FILE, METRICS_FILE, CONFIG_FILE)
 INTERRUPTED_REASON = "stopped by the user (SIGINT); rerun the same command to resume"
 # health.stop_reason's openings tell a manifest of a collapse without the 'collapsed' status (status 'failed', no
 # traceback) apart from a run that failed on an error.
@@ -92,6 +88,20 @@ def run_dirs(folder: str | Path, with_manifest: bool = False) -> list[Path]:
     return [p for p in found if not with_manifest or (p / MANIFEST_FILE).is_file()]
 
 
+def runs_under(path: str | Path) -> list[Path]:
+    """The run folders of an experiment folder (under its runs/), of a runs/ folder, or a run folder itself."""
+    path = Path(path)
+    if is_run_dir(path):
+        return [path]
+    return run_dirs(path / RUNS_DIR if (path / RUNS_DIR).is_dir() else path)
+
+
+def experiment_name(run_dir: str | Path) -> str:
+    """The name of the experiment folder a run folder sits in (under its runs/, or directly)."""
+    run_dir = Path(run_dir)
+    return run_dir.parent.parent.name if run_dir.parent.name == RUNS_DIR else run_dir.parent.name
+
+
 def _table_rows(path: Path) -> int:
     """Rows of a parquet table from its footer (0 for a missing file): what a row count needs, no column read."""
     import pyarrow.parquet as pq
@@ -100,7 +110,7 @@ def _table_rows(path: Path) -> int:
 
 
 def _member(name: str) -> property:
-    """The path of one of a run folder's files, named once in rl/runlog.py."""
+    """The path of one of a run folder's files, named once in store/runlog.py."""
     return property(lambda self: self.path / name, doc=f"path of the run's {name}")
 
 
@@ -134,7 +144,7 @@ class RunFolder:
         return self.manifest.get("status")
 
     def config(self, upgraded: bool = True) -> dict:
-        """config.yaml as a mapping, read like any old config (config_legacy) unless ``upgraded`` is False."""
+        """config.yaml as a mapping, read like any old config (config.legacy) unless ``upgraded`` is False."""
         from moe_lab.config import upgrade_run_config
 
         data = load_yaml(str(self.config_path))
@@ -146,14 +156,12 @@ class RunFolder:
         return self.status if self.status in FINISHED and self._tables_committed() else None
 
     def verified_status(self) -> str | None:
-        """The manifest's status, UNVERIFIED in place of a finished one that ``finished`` does not confirm."""
-        return UNVERIFIED if self.status in FINISHED and not self.finished() else self.status
+        """The manifest's status, STATUS_UNVERIFIED in place of a finished one that ``finished`` does not confirm."""
+        return STATUS_UNVERIFIED if self.status in FINISHED and not self.finished() else self.status
 
     def _tables_committed(self) -> bool:
         """The final checkpoint's rows, verified with their digests, or the row counts of the manifest (a folder
         trimmed of checkpoint/, or a collapsed run: it stops after its last checkpoint, with more rows than that)."""
-        from moe_lab.rl.checkpoint import ResumeError, read_state
-
         try:
             committed = read_state(self.checkpoint_dir) is not None
         except ResumeError:
@@ -170,8 +178,6 @@ class RunFolder:
         different): a finished run's counts (its manifest's, else its final checkpoint's, else its whole tables), else
         its last checkpoint's ({} before the first, or when its tables do not match it). A table on disk always holds
         at least the rows committed when it is read after the counts."""
-        from moe_lab.rl.checkpoint import read_state
-
         try:
             got = read_state(self.checkpoint_dir)
         except ValueError:  # ResumeError, or a half-read marker: nothing committed that can be trusted
@@ -208,9 +214,9 @@ class RunFolder:
     def cell_state(self, config_text: str) -> str:
         """The runner's state of this folder for a cell of config ``config_text`` (one of CELL_STATES)."""
         state = config_state(self.path, config_text)
-        if state != "same":
-            return CONFLICT if state == "other" else NEW
-        return DONE if self.finished() else RESUME
+        if state != CONFIG_SAME:
+            return CELL_CONFLICT if state == CONFIG_OTHER else CELL_NEW
+        return CELL_DONE if self.finished() else CELL_RESUME
 
     def live_pid(self) -> int | None:
         """The pid written in .lock if that process is alive (read only: taking the flock to test it would make a
@@ -249,6 +255,14 @@ class ResultsFolder:
     @property
     def runs_dir(self) -> Path:
         return self.path / RUNS_DIR
+
+    @property
+    def coldstarts_dir(self) -> Path:
+        """The cold starts' recipes; in references made before recipes, their weights (one folder per key)."""
+        return self.path / COLDSTARTS_DIR
+
+    def coldstart_recipe(self, key: str) -> Path:
+        return self.coldstarts_dir / f"{key}.json"
 
     @functools.cached_property
     def _experiment(self) -> dict | None:
