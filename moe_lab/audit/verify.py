@@ -22,6 +22,7 @@ to re-run: its line says why); 2 bad input (one line, before any work: no folder
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -55,6 +56,8 @@ class RefRun:
     manifest: dict
     config: dict  # the config.yaml as upgraded to the current fields
     done: bool = True  # what the runner says (RunFolder.finished): False when its tables lack what it committed
+    recipe: dict | None = None  # its cold start's recipe in the folder (coldstart_recipe); None in older references
+    recipe_path: Path | None = None
 
     @property
     def steps(self) -> int:
@@ -227,7 +230,23 @@ def prepare(folder: str, cells: str | None, steps: str | None) -> tuple[list[Ref
     for ref in chosen:
         _runnable_here(ref)
     exp = parse_experiment(ResultsFolder(folder).experiment())  # a bad block is bad input, now
-    return runs, chosen, n_steps, exp
+    return runs, [_with_recipe(ref, ResultsFolder(folder)) for ref in chosen], n_steps, exp
+
+
+def _with_recipe(ref: RefRun, results: ResultsFolder) -> RefRun:
+    """The cell with the recipe of the cold start it began from. A folder with a coldstarts/ folder must hold, for
+    each cell's cold start, its recipe or (references made before recipes) its weights; older folders hold neither."""
+    from moe_lab.launch.coldstart_origin import began_from
+    from moe_lab.rl.coldstart_recipe import read_recipe
+
+    key = began_from(ref.manifest).get("key")
+    if not key or not results.coldstarts_dir.is_dir():
+        return ref
+    recipe = read_recipe(results, key)
+    if recipe is None and not (results.coldstarts_dir / key).is_dir():
+        raise ConfigError(f"{results.coldstart_recipe(key)}: missing: run {ref.run_id} began from cold start "
+                          f"{key[:12]} and {results.coldstarts_dir} holds neither its recipe nor its weights")
+    return dataclasses.replace(ref, recipe=recipe, recipe_path=results.coldstart_recipe(key))
 
 
 def _runnable_here(ref: RefRun) -> None:
@@ -249,13 +268,35 @@ def verify(runs: list[RefRun], chosen: list[RefRun], steps: int | None, exp: Exp
     failed = False
     with tempfile.TemporaryDirectory(prefix="moe_lab_verify_") as tmp:
         for ref in chosen:
+            cache = Path(tmp) / "coldstart"
+            _say_remaking(ref, cache)
             try:
-                new_dir = rerun(ref, steps, Path(tmp), Path(tmp) / "coldstart")
+                new_dir = rerun(ref, steps, Path(tmp), cache)
             except Exception as exc:  # noqa: BLE001 - one cell that cannot re-run must not hide the others' verdicts
                 echo(f"{ref.run_id}: not re-run ({type(exc).__name__}: {' '.join(str(exc).split())})")
                 failed = True
                 continue
             line, bad = cell_verdict(ref, new_dir, steps, runs, exp)
+            if ref.recipe is not None:
+                line, bad = _digest_verdict(ref, new_dir, cache, line, bad)
             echo(line if ref.done else f"{line}; {NOT_DONE}")
             failed = failed or bad
     return 1 if failed else 0
+
+
+def _say_remaking(ref: RefRun, cache: Path) -> None:
+    """The progress line (stderr) of a cold start re-made from the folder's recipe, once per cold start."""
+    if ref.recipe is not None and not (cache / ref.recipe["key"]).is_dir():
+        from moe_lab.rl.coldstart_recipe import remaking_line
+
+        print(f"moe-lab verify: {remaking_line(ref.recipe_path, ref.recipe, 'weights not committed')}", file=sys.stderr)
+
+
+def _digest_verdict(ref: RefRun, new_dir: Path, cache: Path, line: str, bad: bool) -> tuple[str, bool]:
+    """The cell's line with its re-made cold start's digest against the recipe's: other weights on the recorded
+    processor count against the machine, as other bits do."""
+    from moe_lab.rl.coldstart_recipe import DIFFERS, compare, weights_digest
+
+    key = (RunFolder(new_dir).manifest.get("coldstart") or {}).get("key") or ref.recipe["key"]
+    state, text = compare(ref.recipe, weights_digest(cache / key))
+    return f"{line}; {text}", bad or state == DIFFERS

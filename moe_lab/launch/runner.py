@@ -233,19 +233,29 @@ def check_same_experiment(exp: Experiment, out: Path, *, overwrite: bool) -> boo
     return True
 
 
-def _run_cells(todo: list[Cell], runs_dir: Path, jobs: int, backend, progress: bool, echo=print) -> dict[str, str]:
-    """Cold starts, then the runs of ``todo``, on ``backend`` or local workers; their run_id -> status. Between the
-    two (local workers; on a backend `moe-lab progress` tells afterwards), a line for each cold start this machine
-    warmed into another model than the folder's runs began from.
+def _run_cells(todo: list[Cell], results: ResultsFolder, jobs: int, backend, progress: bool,
+               echo=print) -> dict[str, str]:
+    """Cold starts, then the runs of ``todo``, on ``backend`` or local workers; their run_id -> status. Before the
+    cold starts, a line for each that is re-made from the folder's recipe; after them (local workers; on a backend
+    after the runs), each one's recipe written or its digest compared (coldstart_recipe.after_cold_starts) and a line
+    for each cold start this machine warmed into another model than the folder's runs began from.
 
     On KeyboardInterrupt the unfinished runs are marked 'interrupted' and the interrupt is re-raised.
     """
+    from moe_lab.rl.coldstart_recipe import after_cold_starts, before_cold_starts
+
+    runs_dir = results.runs_dir
     try:
-        if backend is not None:
-            return backend.run(todo, runs_dir, _distinct_setups(todo), progress)
         setups = _distinct_setups(todo)
+        for line in before_cold_starts(results, setups):
+            echo(line)
+        if backend is not None:
+            statuses = backend.run(todo, runs_dir, setups, progress)
+            for line in after_cold_starts(results, setups):
+                echo(line)
+            return statuses
         _run_parallel(coldstart_worker, [(cfg,) for cfg in setups], jobs, "cold start", progress)
-        for line in warmed_here_notes(setups, runs_dir):
+        for line in after_cold_starts(results, setups) + warmed_here_notes(setups, runs_dir):
             echo(line)
         items = [(c, str(runs_dir / c.run_id)) for c in todo]
         return dict(_run_parallel(train_worker, items, jobs, "runs", progress))
@@ -310,7 +320,7 @@ def run_experiment(exp: dict | Experiment, out: Path, *, jobs: int | None = None
     tracker = _tracker(report_to, [runs_dir / c.run_id for c in cells], out, exp.name)
     try:
         if todo:
-            statuses.update(_run_cells(todo, runs_dir, jobs, backend, progress, echo))
+            statuses.update(_run_cells(todo, results, jobs, backend, progress, echo))
     except BaseException:
         if tracker is not None:
             tracker.stop()  # what was sent is recorded: the next invocation sends the rest
