@@ -119,9 +119,26 @@ def _processes():
                 continue
 
 
-def test_plot_on_a_folder_of_experiments_plots_each(tmp_path, capsys):
-    root = write_reference(tmp_path / "reference", seeds=(0,))
+def test_plot_on_a_folder_of_experiments_draws_one_summary_page_and_says_how_to_get_the_rest(tmp_path, capsys):
+    from moe_lab.analysis.summary_page import eval_curves, primary_metric
+
+    root = write_reference(tmp_path / "reference", seeds=(0, 1))
     assert main(["plot", str(root)]) == 0
+    err = capsys.readouterr().err
+    names = sorted(p.name for p in root.iterdir() if (p / "runs").is_dir())
+    assert (root / "figures" / "summary.png").is_file()
+    assert not any((root / name / "figures").exists() for name in names)
+    assert f"[{len(names)}/{len(names)}] {names[-1]}:" in err and f"moe-lab plot {root} --all" in err
+    # the page's curves are the eval tables' rows: one per run and evaluation
+    curves, unreadable = eval_curves(root / names[0], primary_metric(root / names[0]))
+    evals = [pd.read_parquet(p / "eval.parquet") for p in sorted((root / names[0] / "runs").iterdir())]
+    assert not unreadable and len(curves) == sum(map(len, evals))
+    assert curves["value"].sum() == pytest.approx(sum(e["eval/acc_greedy"].sum() for e in evals))
+
+
+def test_plot_all_on_a_folder_of_experiments_plots_each(tmp_path, capsys):
+    root = write_reference(tmp_path / "reference", seeds=(0,))
+    assert main(["plot", str(root), "--all"]) == 0
     for name in ("paper", "clip_sweep", "volatility_sweep"):
         assert (root / name / "figures" / "reward_curves.png").is_file(), name
     assert (root / "clip_sweep" / "figures" / "clip_sweep.png").is_file()

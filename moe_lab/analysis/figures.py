@@ -211,21 +211,25 @@ def experiment_folders(path: str | Path) -> list[Path]:
     return [p for p in sorted(path.iterdir()) if p.is_dir() and results.find_run_dirs(p)]
 
 
-def plot_folder(path: str | Path, out_dir: str | Path | None = None,
-                formats: str | Sequence[str] = ("png",)) -> tuple[list[Path], list[tuple[str, str]]]:
+def plot_folder(path: str | Path, out_dir: str | Path | None = None, formats: str | Sequence[str] = ("png",),
+                progress: Callable[[int, int, Path, list[Path]], None] | None = None,
+                ) -> tuple[list[Path], list[tuple[str, str]]]:
     """Figures of each experiment under path; returns (written paths, [(unreadable run, why)]).
 
     With several experiments and an out_dir, each gets out_dir/<experiment>. Unreadable runs are reported, not
-    raised: the figures of every readable run are still written.
+    raised: the figures of every readable run are still written. ``progress(i, n, folder, written)`` after each.
     """
     formats = parse_formats(formats)
     folders = experiment_folders(path)
     paths, unreadable = [], []
-    for folder in folders:
+    for i, folder in enumerate(folders, 1):
         dest = None if out_dir is None else (Path(out_dir) / folder.name if len(folders) > 1 else Path(out_dir))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            paths += write_figures(folder, dest, formats)
+            written = write_figures(folder, dest, formats)
+        paths += written
+        if progress is not None:
+            progress(i, len(folders), folder, written)
         for w in caught:
             text = str(w.message)
             if text.startswith(SKIPPED_RUN):
