@@ -62,8 +62,7 @@ CHECK = textwrap.dedent("""
 
 def _apply_recipe(tmp_path: Path) -> Path:
     pkg = copy_package(tmp_path)
-    insert(pkg / "config" / "__init__.py", "    eval_every: int = param(10,", block("component-field"), before=True)
-    insert(pkg / "config" / "sections.py", '"eval_every",', block("component-section").rstrip("\n") + " ", before=True)
+    insert(pkg / "config" / "rl.py", "    eval_every: int = param(10,", block("component-field"), before=True)
     insert(pkg / "rl" / "components.py", "@dataclass\nclass Components:", block("component-class"), before=True)
     insert(pkg / "rl" / "components.py", "from moe_lab.rl.expert_bias import ExpertBias\n", block("component-import"),
            before=False)

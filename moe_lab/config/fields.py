@@ -1,4 +1,4 @@
-"""One declared config field's check: its type, allowed values and bounds (``param``'s metadata), the line that
+"""One config field: its declaration (``param``: help text, allowed values, bounds), its check, the line that
 names what is allowed, and a walk over a nested config's fields. Apart from moe_lab.config (the dataclasses and the
 cross-field checks) so that each stays small; no torch."""
 
@@ -9,11 +9,29 @@ import functools
 import math
 import types
 import typing
+from dataclasses import field
 from typing import Any
 
 from moe_lab.config.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
+
+_HASHED = object()  # param(unhashed=...) unset: the field is always part of the cold-start cache key
+
+
+def param(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
+          gt: float | None = None, le: float | None = None, lt: float | None = None, unhashed: Any = _HASHED) -> Any:
+    """A dataclass field with its help text and allowed values (read by validate() and the docs). ``unhashed``: the
+    value at which the cold-start cache key leaves the field out, the one that cold starts committed before the field
+    existed ran with (their keys stay valid): the field's history, not its default."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if unhashed is not _HASHED:
+        meta["unhashed"] = unhashed
+    if isinstance(default, list):
+        meta["is_list"] = True  # choices then constrain every element
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def type_ok(value: Any, tp: Any) -> bool:
@@ -38,7 +56,9 @@ def allowed(meta: dict) -> str:
     return " and ".join(parts) or "any value of the declared type"
 
 
-def check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
+def check_field(name: str, value: Any, tp: Any, meta: dict, why: str = "") -> None:
+    """Refuse ``value`` outside the field's declared type, choices and bounds; ``why``: where the bounds come
+    from when not the field's own (an objective's), said in the error."""
     if not type_ok(value, tp):
         raise ConfigError(f"{name}: expected {tp}, got {value!r}")
     if value is None:
@@ -55,7 +75,7 @@ def check_field(name: str, value: Any, tp: Any, meta: dict) -> None:
         or (meta.get("ge") is not None and value < meta["ge"]) or (meta.get("gt") is not None and value <= meta["gt"]) \
         or (meta.get("le") is not None and value > meta["le"]) or (meta.get("lt") is not None and value >= meta["lt"])
     if bad:
-        raise ConfigError(f"{name}={value!r} is out of range: allowed {allowed(meta)}")
+        raise ConfigError(f"{name}={value!r} is out of range{why}: allowed {allowed(meta)}")
 
 
 # resolving string annotations costs ~0.3 ms a class, and `moe-lab list` validates ~1000 cells of 8 classes each

@@ -78,6 +78,11 @@ class ObjectiveSpec:
     knobs: Knobs | None = None
     color: str | None = None
 
+    def field_bounds(self) -> dict[str, dict[str, float | None]]:
+        """The bounds this objective declares for shared rl fields, in place of the field's own: where clip_low
+        is unbounded it may reach 1 and beyond (CISPO's own setting is 1.0)."""
+        return {"clip_low": {"ge": 0.0, "lt": None}} if self.clip_low_unbounded else {}
+
     def __post_init__(self):
         check_color(self.color, f"objective spec {self.name!r}")
         traits = (self.ppo_clip, self.clip_low_unbounded, self.token_clip, self.sequence_level)

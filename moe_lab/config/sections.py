@@ -1,71 +1,52 @@
-"""The sections of ``rl``: which concern each RL setting belongs to, declared once, and a typed view of each.
+"""How a flat config is made of sections: each section a frozen dataclass that declares its own fields, the
+config the flat union of its sections' fields.
 
-The keys stay flat (``rl.collapse_window``, not ``rl.collapse.window``): they are the interface of every experiment
-file, command-line override and committed ``config.yaml`` (over a thousand), so a section is a declared group of
-those fields, not a level of nesting. ``sectioned`` checks at import that every field of the class is in exactly
-one section (a new field without one fails before anything runs); ``view(rl, name)`` is that section as a frozen
-dataclass, what the trainer hands the part that needs it (the expert-bias updates get ``bias``, the collapse rules
-``collapse``); ``moe-lab config`` and docs/config.md list the fields section by section.
+The keys stay flat (``rl.collapse_window``, not ``rl.collapse.window``): they are the interface of every
+experiment file, command-line override and committed ``config.yaml`` (over a thousand), so a section is a group
+of fields declared together, not a level of nesting. ``flat`` builds the config class from its sections (a name
+declared in two of them fails at import); ``cfg.section(name)`` is that section's frozen dataclass with the
+config's values, what the trainer hands the part that reads it (the expert-bias updates get ``bias``, the
+collapse rules ``collapse``); ``moe-lab config`` and docs/config.md list the fields section by section, under
+each section's docstring.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 
-# section -> (what it holds, its fields in declaration order); the objectives' knobs (rl.<prefix>_<name>, from
-# moe_lab/config/objective_specs.py) join "objective" where the class declares them.
-RL_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "objective": ("the policy objective, its clip range and knobs, advantages, KL and the balancing loss",
-                  ("algo", "clip_low", "clip_high", "loss_agg", "dual_clip_c", "std_normalize", "whiten",
-                   "reward_clip", "adv_clip", "kl_coef", "kl_kind", "kl_mode", "aux_loss_coef")),
-    "replay": ("Routing Replay and the router controls of the update forwards",
-               ("replay", "replay_gate", "replay_gate_weights", "freeze_router", "router_noise")),
-    "rollout": ("rollout numerics and the corrections of the rollout/trainer mismatch",
-                ("rollout_correction", "rollout_correction_upper", "rollout_correction_lower", "old_logp",
-                 "rollout_lag", "rollout_seeding", "temperature", "rollout_router_noise", "rollout_dtype",
-                 "rollout_kernels", "train_dtype")),
-    "bias": ("expert-bias updates during RL (DeepSeek-V3)", ("bias_update_rate", "bias_counts", "bias_count_dtype")),
-    "schedule": ("steps, batch, updates per batch and the optimizer",
-                 ("steps", "prompts_per_step", "group_size", "minibatches", "epochs", "lr", "router_lr_mult",
-                  "warmup_steps", "weight_decay", "grad_clip")),
-    "collapse": ("the collapse rules (moe_lab/rl/health.py)",
-                 ("collapse_window", "collapse_drop", "collapse_patience", "collapse_min_best",
-                  "collapse_entropy_max", "stop_on_collapse")),
-    "cadence": ("how often a run measures, evaluates and checkpoints", ("decomp_every", "eval_every",
-                                                                       "checkpoint_every")),
-}
 
-
-def sectioned(sections: dict[str, tuple[str, tuple[str, ...]]], extra: dict[str, tuple[str, ...]]):
-    """Class decorator (above @dataclass): refuse a class whose fields are not each in exactly one section;
-    ``extra``: fields the class adds by declaration elsewhere (the objective knobs), by section."""
-    def check(cls: type) -> type:
-        declared = [(s, f) for s, (_, names) in sections.items() for f in (*names, *extra.get(s, ()))]
-        names = [f for _, f in declared]
-        fields = {f.name for f in dataclasses.fields(cls)}
-        twice = sorted({f for f in names if names.count(f) > 1})
-        if twice or set(names) != fields:
-            raise TypeError(f"{cls.__name__}: every field in exactly one section of moe_lab/config/sections.py; "
-                            f"without one: {sorted(fields - set(names))}, unknown: {sorted(set(names) - fields)}, "
-                            f"twice: {twice}")
-        cls.SECTION_OF = {f: s for s, f in declared}
+def section(name: str):
+    """Class decorator: a frozen dataclass of settings, the section ``name`` of a flat config."""
+    def make(cls: type) -> type:
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        cls.SECTION = name
         return cls
-    return check
+    return make
 
 
-@functools.cache
-def _view_type(cls: type, name: str) -> type:
-    hints = typing.get_type_hints(cls)
-    names = [f for f, s in cls.SECTION_OF.items() if s == name]
-    return dataclasses.make_dataclass(f"{cls.__name__}_{name}", [(f, hints[f]) for f in names], frozen=True)
+def _section(self, name: str):
+    """Section ``name`` of these settings as a frozen dataclass: what the trainer hands the part reading it."""
+    cls = type(self).SECTIONS.get(name)
+    if cls is None:
+        raise KeyError(f"no section {name!r}; allowed: {', '.join(type(self).SECTIONS)}")
+    return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
 
-def view(obj, name: str):
-    """Section ``name`` of a sectioned config object, as a frozen dataclass of its fields' values."""
-    cls = type(obj)
-    if name not in set(cls.SECTION_OF.values()):
-        raise KeyError(f"no section {name!r}; allowed: {', '.join(dict.fromkeys(cls.SECTION_OF.values()))}")
-    tp = _view_type(cls, name)
-    return tp(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(tp)})
+def flat(name: str, sections: tuple[type, ...], doc: str, module: str) -> type:
+    """A mutable dataclass ``name`` with every field of ``sections``, in their order, the flat keys of a config;
+    ``SECTIONS`` (name -> section class), ``SECTION_OF`` (field -> section name) and ``section(name)`` with it."""
+    spec, section_of = [], {}
+    for cls in sections:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in section_of:
+                raise TypeError(f"{name}.{f.name}: declared in section {section_of[f.name]!r} and {cls.SECTION!r}")
+            section_of[f.name] = cls.SECTION
+            spec.append((f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                                   metadata=f.metadata)))
+    out = dataclasses.make_dataclass(name, spec, namespace={
+        "__doc__": doc, "__module__": module, "section": _section,
+        "SECTIONS": {cls.SECTION: cls for cls in sections}, "SECTION_OF": section_of})
+    out.__qualname__ = name
+    return out
