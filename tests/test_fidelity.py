@@ -82,7 +82,8 @@ def test_routing_share_is_one_minus_the_paired_ratio_and_its_band_needs_two_thir
                 "router_change": 0.1, "any_change": 0.5, "layers": 8} for k, f in ((1e-3, 0.3), (2e-3, 0.2))]
     row = next(r for r in fidelity_table.mismatch_rows(samples, None) if r.key == "routing_share")
     assert row.value == pytest.approx(1 - (0.3e-3 + 0.4e-3) / 3e-3) and row.lo <= row.value <= row.hi
-    assert row.ok  # 0.767 >= 2/3
+    assert row.point_ok  # 0.767 >= 2/3; in band only when the whole interval is
+    assert row.verdict == ("pass" if row.lo >= 2 / 3 else "edge") and row.ok == (row.lo >= 2 / 3)
 
 
 @pytest.mark.parametrize("argv", [["fidelity", "no/such/folder"],
@@ -109,14 +110,21 @@ def test_a_run_folder_is_read_with_its_config_and_the_overrides(tmp_path):
 
 
 def test_update_rows_read_the_change_after_one_update_and_the_deeper_half_over_the_shallower():
-    def row(minibatch, layers, clip):
-        return {"minibatch": minibatch, "routing/expert_change": sum(layers) / len(layers), "clip_frac/active": clip,
+    def row(step, index, layers, clip, norm=0.5):
+        return {"step": step, "index": index, "routing/expert_change": sum(layers) / len(layers),
+                "clip_frac/active": clip, "optim/grad_norm": norm,
                 **{f"routing/layer_{l}/expert_change": v for l, v in enumerate(layers)}}
 
-    grpo = [row(0, [0, 0, 0, 0], 0.01), row(1, [0.02, 0.04, 0.06, 0.12], 0.01), row(2, [0.5] * 4, 0.01),
-            row(1, [0.02, 0.02, 0.04, 0.04], 0.01)]
-    gspo = [row(m, [0, 0, 0, 0], 0.5) for m in range(4)]
-    rows = {r.key: r for r in fidelity_table.update_rows(grpo, gspo)}
-    assert rows["expert_change_update"].value == pytest.approx((0.06 + 0.03) / 2)  # minibatch 1 rows only
+    grpo = [row(0, 0, [0, 0, 0, 0], 0.01), row(0, 1, [0.02, 0.04, 0.06, 0.12], 0.01, 2.0), row(0, 2, [0.5] * 4, 0.01),
+            row(1, 0, [0, 0, 0, 0], 0.01), row(1, 1, [0.02, 0.02, 0.04, 0.04], 0.01), row(1, 3, [0.3] * 4, 0.01, 3.0)]
+    gspo = [row(s, m, [0, 0, 0, 0], 0.5 + 0.01 * s) for s in range(2) for m in range(4)]
+    r2 = [row(s, m, [0, 0, 0, 0], 0.005 + 0.001 * s) for s in range(2) for m in range(4)]
+    rows = {r.key: r for r in fidelity_table.update_rows(grpo, gspo, r2, grad_clip=1.0)}
+    assert rows["expert_change_update"].value == pytest.approx((0.06 + 0.03) / 2)  # the second update's rows only
+    assert rows["expert_change_update3"].value == pytest.approx(0.3)
     assert rows["expert_change_depth"].value == pytest.approx((0.09 / 0.03 + 0.04 / 0.02) / 2)
-    assert rows["clip_ratio"].value == pytest.approx(50.0) and rows["clip_ratio"].ok
+    assert rows["clip_ratio"].value == pytest.approx(0.505 / 0.01)
+    assert rows["clip_ratio_replay"].value == pytest.approx(0.505 / 0.0055)
+    assert rows["clip_ratio_replay_u3"].value == pytest.approx(0.505 / 0.0055)
+    assert rows["grad_clip_share"].value == pytest.approx((1 / 3 + 1 / 3) / 2)  # one of three updates per step
+    assert rows["grad_norm_median"].value == pytest.approx(0.5)

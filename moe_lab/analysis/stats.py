@@ -105,6 +105,23 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], paired: bool) -> tuple[
     return ratio, ratio - half, ratio + half
 
 
+def ols_slope_ci(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
+    """(slope, lo, hi): the least-squares slope of y on x with its 95% t-interval (se = sqrt(SSE / (n - 2) /
+    Sxx), df = n - 2); NaN bounds with fewer than 3 finite points, NaN throughout when x does not vary."""
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    keep = np.isfinite(a) & np.isfinite(b)
+    a, b = a[keep], b[keep]
+    sxx = float(((a - a.mean()) ** 2).sum()) if a.size else 0.0
+    if sxx == 0:
+        return math.nan, math.nan, math.nan
+    slope = float(((a - a.mean()) * (b - b.mean())).sum() / sxx)
+    if a.size < 3:
+        return slope, math.nan, math.nan
+    resid = b - b.mean() - slope * (a - a.mean())
+    half = t_quantile_975(a.size - 2) * math.sqrt(float((resid ** 2).sum()) / (a.size - 2) / sxx)
+    return slope, slope - half, slope + half
+
+
 def ci_columns(grouped: pd.core.groupby.SeriesGroupBy) -> pd.DataFrame:
     """Vectorised mean_ci over groups: columns mean, lo, hi, n."""
     out = grouped.agg(["mean", "std", "count"])

@@ -1,8 +1,10 @@
 """`moe-lab fidelity RUN_OR_CONFIG [FIELD=VALUE ...]`: moe_lab's figures against the published ones, one table.
 
-RUN_OR_CONFIG: a run folder (its config.yaml and checkpoint; a run without a checkpoint: its cold start), an
-experiment file (its first cell) or a bare config YAML (their cold start, built and cached if missing); the
-FIELD=VALUE overrides are `moe-lab run`'s. With a fixed number of rollouts (``--prompts``, in rollout batches of
+RUN_OR_CONFIG: a run folder (its config.yaml and checkpoint; a run without a checkpoint: its cold start; a
+finished run: its own metrics' rows too), an experiment file (its first cell) or a bare config YAML (their cold
+start, built and cached if missing); the FIELD=VALUE overrides are `moe-lab run`'s. An experiment folder (or a
+folder of run folders) is not measured: its finished runs' own metrics give the rows, per arm
+(moe_lab/audit/fidelity_runs.py; no overrides). With a fixed number of rollouts (``--prompts``, in rollout batches of
 rl.prompts_per_step, rl.group_size samples each) it measures the rollout/trainer mismatch the config's rollout
 numerics make (rollouts and forwards only), its dense control's (``--no-dense``: skipped; it has its own cold
 start), and, on a copy, a few RL steps of GRPO and of GSPO (``--update-steps``; 0: skipped): the rows of
@@ -19,6 +21,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 TAKES_OVERRIDES = True
 
@@ -39,8 +42,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def check(args):
     """The Source to measure and the dense control's config; ValueError (one line) before any model is built."""
-    from moe_lab.audit import fidelity_run
+    from moe_lab.audit import fidelity_run, fidelity_runs
 
+    if fidelity_runs.is_runs_folder(Path(args.source).expanduser()):
+        if args.overrides:
+            raise ValueError(f"{' '.join(args.overrides)}: FIELD=VALUE overrides change a model to measure; "
+                             f"{args.source!r} holds finished runs, read as they ran")
+        return fidelity_runs.measure(Path(args.source).expanduser()), None
     for flag, value, low in (("--prompts", args.prompts, 2), ("--update-steps", args.update_steps, 0)):
         if value < low:
             raise ValueError(f"{flag}={value}: expected an integer >= {low}")
@@ -51,7 +59,7 @@ def check(args):
 
 def measure(source, dense_cfg, prompts: int, update_steps: int) -> tuple[list, dict]:
     """(rows, timings in seconds) of one source; timings: mismatch, dense, updates, and step_s (GRPO's mean)."""
-    from moe_lab.audit import fidelity_run, fidelity_table
+    from moe_lab.audit import fidelity_run, fidelity_runs, fidelity_table
 
     times = {}
     t0 = time.perf_counter()
@@ -64,15 +72,22 @@ def measure(source, dense_cfg, prompts: int, update_steps: int) -> tuple[list, d
         dense_task, dense_policy = fidelity_run.load_policy(dense_cfg, None)
         dense = fidelity_run.mismatch_samples(dense_policy, dense_task, dense_cfg, prompts)
         times["dense_s"] = time.perf_counter() - t0
-    rows = fidelity_table.mismatch_rows(samples, dense)
+    t0 = time.perf_counter()
+    bf16_cfg = fidelity_run.bf16_numerics(source.cfg)
+    bf16 = fidelity_run.mismatch_samples(policy, task, bf16_cfg, prompts)
+    times["bf16_s"] = time.perf_counter() - t0
+    rows = fidelity_table.mismatch_rows(samples, dense, bf16)
     if update_steps:
         t0 = time.perf_counter()
         grpo = fidelity_run.update_samples(policy, task, source.cfg, "grpo", update_steps)
         gspo = fidelity_run.update_samples(policy, task, source.cfg, "gspo", update_steps)
+        grpo_r2 = fidelity_run.update_samples(policy, task, source.cfg, "grpo", update_steps, replay="old")
         times["updates_s"] = time.perf_counter() - t0
         steps = {r["step"]: r["perf/step_s"] for r in grpo}
         times["step_s"] = sum(steps.values()) / len(steps)
-        rows += fidelity_table.update_rows(grpo, gspo)
+        rows += fidelity_table.update_rows(grpo, gspo, grpo_r2, source.cfg.rl.grad_clip)
+    if source.checkpoint is not None and fidelity_runs.with_metrics(source.checkpoint.parent):
+        rows += fidelity_runs.measure(source.checkpoint.parent)[0]  # a finished run: its own rows too
     return rows, times
 
 
@@ -86,17 +101,26 @@ def main(args) -> int:
         return 2
     from moe_lab.audit import fidelity_table
 
+    if isinstance(source, tuple):  # finished runs: their own metrics, no model
+        rows, label = source
+        print(json.dumps({"source": label, "rows": as_json(rows)}, indent=1) if args.json else
+              f"fidelity of {label}: the runs' own metrics\n{fidelity_table.format_table(rows)}")
+        return 0
     rows, times = measure(source, dense, args.prompts, args.update_steps)
     if args.json:
-        clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.as_dict().items()}
-                 for r in rows]
         from moe_lab.rl.coldstart import recorded
 
-        print(json.dumps({"source": source.label, "coldstart": recorded(source.cfg), "timings": times, "rows": clean},
-                         indent=1))
+        print(json.dumps({"source": source.label, "coldstart": recorded(source.cfg), "timings": times,
+                          "rows": as_json(rows)}, indent=1))
     else:
         print(f"fidelity of {source.label}: {args.prompts} prompts x {source.cfg.rl.group_size} rollouts, "
               f"{args.update_steps} RL steps per algorithm")
         print(fidelity_table.format_table(rows))
         print("timings: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     return 0
+
+
+def as_json(rows: list) -> list[dict]:
+    """The rows as JSON objects (a non-finite number: null)."""
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.as_dict().items()}
+            for r in rows]

@@ -10,7 +10,8 @@ prompt's group is one unit: its rows carry the mismatch and routing metrics of m
 
 Update samples (a few RL steps on a copy, the config's cold start untouched): ``rl_step``'s own rows, free routing
 (``routing/expert_change`` of update m is the change after m optimizer steps on the same batch) and
-``clip_frac/active``, for one algorithm at a time at its paper clip range.
+``clip_frac/active``, for one algorithm at a time at its paper clip range (GRPO also under R2, the baseline of the
+GSPO paper's clip ratio).
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def resolve(source: str, overrides: list[str]) -> Source:
 def measured(cfg: RunConfig, **rl) -> RunConfig:
     """The config the measurements run: free routing, the trainer's own old pass, no correction or KL (the rows
     compare the routings themselves), plus ``rl`` fields."""
-    fields = dict(replay="none", old_logp="old_forward", rollout_correction="none", kl_coef=0.0, rollout_lag=0,
-                  **rl)
+    fields = {**dict(replay="none", old_logp="old_forward", rollout_correction="none", kl_coef=0.0, rollout_lag=0),
+              **rl}
     return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, **fields))
 
 
@@ -91,7 +92,7 @@ def load_policy(cfg: RunConfig, ckpt: Path | None):
     if REPLAY_SPECS[cfg.rl.replay].predictor:
         predictor.install(policy)  # a predictive run's checkpoint carries the PR2 heads
     if ckpt is not None:
-        checkpoint.load(ckpt, policy, build_optimizer(policy, cfg.rl))
+        checkpoint.load(ckpt, policy, build_optimizer(policy, cfg.rl.section("schedule")))
     policy.train(False)
     return task, policy
 
@@ -138,6 +139,7 @@ def mismatch_samples(policy, task, cfg: RunConfig, n_prompts: int) -> list[dict]
                          "extreme_ln2": free["mismatch/extreme_frac"],
                          "extreme_ln5": free["mismatch/extreme_frac_log5"], "abs_diff": free["mismatch/abs_diff"],
                          "router_change": routing["router_change"], "any_change": routing["any_change"],
+                         "length": int(mask.sum()) / G,
                          "layers": batch.trace.num_layers})
     return rows
 
@@ -154,16 +156,24 @@ def dense_control(cfg: RunConfig) -> RunConfig:
     return validate(dataclasses.replace(cfg, model=model))
 
 
-def update_samples(policy, task, cfg: RunConfig, algo: str, steps: int) -> list[dict]:
-    """rl_step's rows of ``steps`` RL steps of ``algo`` (its paper clip range, free routing) on a copy of policy."""
-    cfg = measured(cfg, algo=algo, clip_low=None, clip_high=None, decomp_every=0, bias_update_rate=0.0)
+def bf16_numerics(cfg: RunConfig) -> RunConfig:
+    """The config with bf16 on both sides: the rollout copy and the trainer's forwards (rollout kernels kept)."""
+    return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, rollout_dtype="bfloat16", train_dtype="bfloat16"))
+
+
+def update_samples(policy, task, cfg: RunConfig, algo: str, steps: int, replay: str = "none") -> list[dict]:
+    """rl_step's rows of ``steps`` RL steps of ``algo`` (its paper clip range; free routing, or ``replay``) on a
+    copy of policy; each row's ``index``: the optimizer steps before it on its rollout batch."""
+    cfg = measured(cfg, algo=algo, replay=replay, clip_low=None, clip_high=None, decomp_every=0,
+                   bias_update_rate=0.0)
     validate(cfg)
     trained = copy.deepcopy(policy)
-    optimizer, parts = build_optimizer(trained, cfg.rl), installed(trained, cfg.rl)
+    optimizer, parts = build_optimizer(trained, cfg.rl.section("schedule")), installed(trained, cfg.rl)
     rows = []
     for step in range(steps):
         rollout_policy = make_rollout_policy(trained, cfg.rl)  # the sampler takes the updated weights each step
         prompts = task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
-        rows += rl_step(Trainee(trained, rollout_policy, None, optimizer, parts), task, cfg, step, prompts,
-                        first_update=step * updates_per_step(cfg))
+        done = rl_step(Trainee(trained, rollout_policy, None, optimizer, parts), task, cfg, step, prompts,
+                       first_update=step * updates_per_step(cfg))
+        rows += [{**r, "index": i} for i, r in enumerate(done)]
     return rows
