@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from moe_lab.store.cpuinfo import identity_differences
+from moe_lab.store.cpuinfo import identity_differences, processor_name
 
 TIMING_PREFIX = "perf/"
 # the machine keys that change kernels besides the processor (runlog.machine_info)
@@ -125,11 +125,7 @@ def machine_state(recorded: dict, current: dict) -> tuple[str, str]:
         return "unknown", UNKNOWN_MACHINE
     if "cpu" not in ref_m:
         return "unknown", UNKNOWN_PROCESSOR
-    return "same", f"same machine as recorded ({_processor_name(ref_m['cpu'])})"
-
-
-def _processor_name(cpu: dict) -> str:
-    return " ".join(str(cpu[k]) for k in ("vendor", "model_name") if cpu.get(k)) or "processor unnamed"
+    return "same", f"same machine as recorded ({processor_name(ref_m['cpu'])})"
 
 
 def coldstart_text(recorded: dict, current: dict) -> str:

@@ -52,10 +52,16 @@ META_FILE = "coldstart.json"
 KEYED_SECTIONS = ("model", "task", "coldstart")  # what determines the warmed-up weights (cache_dir aside)
 
 
-def cache_key(cfg: RunConfig) -> str:
-    """sha256 of the canonical JSON of everything that determines the warmed-up weights (not cache_dir)."""
+def keyed_sections(cfg: RunConfig) -> dict[str, dict]:
+    """The sections that determine the warmed-up weights, as plain values (cache_dir left out)."""
     sections = {name: dataclasses.asdict(getattr(cfg, name)) for name in KEYED_SECTIONS}
     sections["coldstart"].pop("cache_dir")
+    return sections
+
+
+def cache_key(cfg: RunConfig) -> str:
+    """sha256 of the canonical JSON of everything that determines the warmed-up weights (not cache_dir)."""
+    sections = keyed_sections(cfg)
     # a field declared with param(unhashed=v) is left out at v: the cold starts cached and committed before it
     # existed keep their keys (results name those keys), so their cached models stay valid
     for name in KEYED_SECTIONS:
@@ -63,11 +69,16 @@ def cache_key(cfg: RunConfig) -> str:
             if "unhashed" in f.metadata and sections[name][f.name] == f.metadata["unhashed"]:
                 sections[name].pop(f.name)
     payload = {"format": FORMAT_VERSION, **sections}
-    pins = {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}
+    pins = kernel_pins()
     if pins:  # kernels pinned (moe-lab run --cpu-isa): their own warm-up; unpinned keys stay as they were
         payload["pins"] = pins
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def kernel_pins() -> dict[str, str]:
+    """The kernel pins this process runs with (moe-lab run --cpu-isa): part of the cache key where set."""
+    return {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}
 
 
 def cache_root(cfg: RunConfig) -> Path:

@@ -11,16 +11,13 @@ digest is said to come from a different processor, not called a fault.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from moe_lab.config import ConfigError, RunConfig
-from moe_lab.config.constants import MACHINE_ENV
-from moe_lab.rl.coldstart import KEYED_SECTIONS, META_FILE, cache_key, cache_root
-from moe_lab.store.cpuinfo import identity_differences, processor_info
+from moe_lab.rl.coldstart import META_FILE, cache_key, cache_root, keyed_sections, kernel_pins
+from moe_lab.store.cpuinfo import identity_differences, processor_info, processor_name
 from moe_lab.store.run_folder import ResultsFolder
 from moe_lab.store.files import atomic_write_text
 from moe_lab.store.runlog import git_commit, package_versions
@@ -52,15 +49,9 @@ def weights_digest(entry: Path) -> str:
 def make_recipe(cfg: RunConfig, entry: Path) -> dict:
     """The recipe of the cold start of ``cfg`` held in the cache entry ``entry`` (its coldstart.json read)."""
     meta = json.loads((Path(entry) / META_FILE).read_text(encoding="utf-8"))
-    config = {name: dataclasses.asdict(getattr(cfg, name)) for name in KEYED_SECTIONS}
-    config["coldstart"].pop("cache_dir")
-    return {"key": cache_key(cfg), "config": config, "pins": _pins(), "seed": cfg.model.seed,
+    return {"key": cache_key(cfg), "config": keyed_sections(cfg), "pins": kernel_pins(), "seed": cfg.model.seed,
             "code_commit": git_commit(), "steps": meta.get("steps"), "accuracy": meta.get("accuracy"),
             "processor": processor_info(), "versions": package_versions(), "digest": weights_digest(entry)}
-
-
-def _pins() -> dict:
-    return {k: os.environ[k] for k in MACHINE_ENV if k in os.environ}
 
 
 def recipe_config(recipe: dict, cache_dir: str | Path | None = None) -> RunConfig:
@@ -114,17 +105,13 @@ def compare(recipe: dict, digest: str, processor: dict | None = None) -> tuple[s
     now = package_versions()
     packages = [f"{p} {v} vs {now.get(p)}" for p, v in (recipe.get("versions") or {}).items()
                 if p != "moe_lab" and now.get(p) != v]
-    return DIFFERS, (f"{found} on the same processor ({_name(here)})"
+    return DIFFERS, (f"{found} on the same processor ({processor_name(here)})"
                      + (f"; packages differ ({'; '.join(packages)})" if packages else "")
                      + f"; recipe made at code {str(recipe.get('code_commit'))[:10]}")
 
 
 def _short(digest: str) -> str:
     return digest[len(DIGEST_PREFIX):][:12] if digest.startswith(DIGEST_PREFIX) else digest[:12]
-
-
-def _name(cpu: dict) -> str:
-    return " ".join(str(cpu[k]) for k in ("vendor", "model_name") if cpu.get(k)) or "processor unnamed"
 
 
 def remaking_line(path: Path, recipe: dict, where: str) -> str:

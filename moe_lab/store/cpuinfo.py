@@ -61,6 +61,11 @@ def processor_info() -> dict[str, Any]:
             "source": "platform"}
 
 
+def processor_name(cpu: dict) -> str:
+    """'vendor model name' of a processor record, for a verdict line."""
+    return " ".join(str(cpu[k]) for k in ("vendor", "model_name") if cpu.get(k)) or "processor unnamed"
+
+
 def identity_differences(recorded: dict, current: dict) -> list[str]:
     """'key: recorded vs current' for each identifying key the two processor records disagree on."""
     out = []
