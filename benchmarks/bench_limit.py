@@ -198,7 +198,7 @@ def measure(name: str, paths: list[str], dtype: str | None, repeats: int, rates:
         for path, (cfg, task, model, init, prompts) in setups.items():
             for kind in ("bare", "logged"):
                 model.load_state_dict(init)  # the same weights and sampling seed in every path and round
-                opt = build_optimizer(model, cfg.rl)
+                opt = build_optimizer(model, cfg.rl.section("schedule"))
                 torch.manual_seed(100 + i)
                 if kind == "bare":
                     times, shape = bare(model, opt, task, cfg, prompts)

@@ -97,7 +97,7 @@ def main() -> None:
             # Same weights and sampling seed in every variant and repeat: identical rollouts, so the
             # variants differ only in the work they add.
             model.load_state_dict(init)
-            opt = build_optimizer(model, cfg.rl)
+            opt = build_optimizer(model, cfg.rl.section("schedule"))
             torch.manual_seed(100 + i)
             step = bare_step if overrides is None else lambda *a: full_step(*a, i)
             runs[name].append(step(model, opt, task, cfg, prompts))

@@ -97,7 +97,7 @@ def main() -> None:
             for name, step in (("moe_lab full", lambda *a: full_step(*a, self.rl_step)), ("moe_lab bare", bare_step)):
                 ours.load_state_dict(init)  # same weights every time: identical rollouts, only the work differs
                 torch.manual_seed(100 + self.rl_step)
-                times[name].append(step(ours, build_optimizer(ours, cfg.rl), task, cfg, prompts)["total_s"])
+                times[name].append(step(ours, build_optimizer(ours, cfg.rl.section("schedule")), task, cfg, prompts)["total_s"])
             self.rl_step += 1
             self.t0 = time.perf_counter()
 

@@ -52,8 +52,8 @@ def test_bad_knob_values_are_refused_naming_the_field(tmp_path, override, field)
 def test_epochs_times_minibatches_optimizer_steps_per_batch(tmp_path, monkeypatch):
     calls = []
 
-    def counting_optimizer(model, rl):
-        opt = build_optimizer(model, rl)
+    def counting_optimizer(model, schedule):
+        opt = build_optimizer(model, schedule)
         opt.register_step_post_hook(lambda *_: calls.append(1))
         return opt
 

@@ -73,8 +73,6 @@ class RLReplay:
                                     "1 = keep only experts the router would pick itself", ge=0.0, le=1.0)
     replay_gate_weights: bool = param(False, "replay the recorded combine (gate) weights too, not only the expert ids "
                                              "(prime-rl PR #3523): the router then gets no gradient from the combine")
-    freeze_router: bool = param(False, "router weights get no gradient, no optimizer update and no AdamW state "
-                                       "(prime-rl freeze_moe_router); optim/grad_norm then excludes them")
     router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the old-policy and update "
                                      "forwards: emulates non-deterministic forwards, where repeated passes of one "
                                      "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
@@ -143,7 +141,7 @@ class RLBias:
 
 @section("schedule")
 class RLSchedule:
-    """Steps, batch, updates per batch and the optimizer."""
+    """Steps, batch, updates per batch and the optimizer (which weights it moves, at what rate)."""
 
     steps: int = param(40, "RL steps (one rollout batch each)", ge=1)
     prompts_per_step: int = param(16, "prompts per rollout batch (B)", ge=1)
@@ -156,6 +154,8 @@ class RLSchedule:
     warmup_steps: int = param(2, "linear learning-rate warmup in optimizer steps", ge=0)
     weight_decay: float = param(0.0, "AdamW weight decay", ge=0.0)
     grad_clip: float = param(1.0, "max global gradient norm; 0 = off", ge=0.0)
+    freeze_router: bool = param(False, "router weights get no gradient, no optimizer update and no AdamW state "
+                                       "(prime-rl freeze_moe_router); optim/grad_norm then excludes them")
 
 
 @section("collapse")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
+from moe_lab.config.rl import RLCollapse
 from moe_lab.models import load_model, resolve_device
 from moe_lab.models.numerics import RolloutNumerics
 from moe_lab.rl import checkpoint, seeds
@@ -80,16 +81,16 @@ def _evaluate(policy, task, eval_prompts: list[str], cfg: RunConfig, step: int) 
             "perf/eval_s": time.perf_counter() - t0}
 
 
-def _failure(rows: list[dict], state: health.HealthState, rl) -> tuple[str, health.HealthState]:
+def _failure(rows: list[dict], state: health.HealthState, collapse: RLCollapse) -> tuple[str, health.HealthState]:
     """The reason to stop after this step's rows ('' to go on), and the run's health after them."""
-    params, obs = health.CollapseParams.from_config(rl), health.observe(rows)
+    params, obs = health.CollapseParams.from_config(collapse), health.observe(rows)
     state = health.advance(state, params, obs)
-    return health.stop_reason(state, obs, params, rl.stop_on_collapse), state
+    return health.stop_reason(state, obs, params, collapse.stop_on_collapse), state
 
 
 def _health(cfg: RunConfig, log: RunLog) -> health.HealthState:
     """The health after the logged rows: recomputed, never checkpointed, so a resume needs no extra state."""
-    return health.replay(health.CollapseParams.from_config(cfg.rl), log.rows)
+    return health.replay(health.CollapseParams.from_config(cfg.rl.section("collapse")), log.rows)
 
 
 def _claim(folder: RunFolder, config_text: str) -> None:
@@ -118,8 +119,8 @@ def _setup(cfg: RunConfig, progress: bool) -> tuple:
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
-    return task, Trainee(policy, make_rollout_policy(policy, cfg.rl), ref_model, build_optimizer(policy, cfg.rl),
-                         components)
+    return task, Trainee(policy, make_rollout_policy(policy, cfg.rl), ref_model,
+                         build_optimizer(policy, cfg.rl.section("schedule")), components)
 
 
 def make_rollout_policy(policy, rl):
@@ -232,7 +233,7 @@ def _loop(cfg, task, trainee: Trainee, log: RunLog | None, state: TrainState, ck
         for r in rows if log else ():
             log.add({**r, "perf/wall_s": state.wall_s})
         state.step = step + 1
-        reason, run_health = _failure(rows, run_health, cfg.rl)  # the same rows on every process
+        reason, run_health = _failure(rows, run_health, cfg.rl.section("collapse"))  # the same rows on every process
         if reason:
             # The final accuracy of a stopped run must be the policy it stopped with, not its last
             # scheduled evaluation from before the collapse.

@@ -164,7 +164,7 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     """One optimizer step on the minibatch idx_B (indices into the rollout batch); returns its metrics (the
     update's row of the results table). ``components``: the run's stateful extras (moe_lab.rl.components)."""
     t0 = time.perf_counter()
-    lr = set_lr(optimizer, cfg.rl, update_idx)
+    lr = set_lr(optimizer, cfg.rl.section("schedule"), update_idx)
     gen = seeds.update_generator(cfg.seed, step, update_idx)
     optimizer.zero_grad(set_to_none=True)
     # backward runs inside the routing context: under gradient checkpointing the recomputed forward
