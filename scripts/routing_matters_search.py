@@ -32,12 +32,11 @@ OUT/table.csv (factor, level -> each fidelity row -> step cost).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from search_levels import load, markdown, run_json, run_levels
 
 BASE = "experiments/rollout_mismatch.yaml"
 FIDELITY_ARGS = ["--prompts", "32", "--update-steps", "3"]
@@ -86,12 +85,7 @@ def command(overrides: list[str], model: bool) -> list[str]:
 def run_level(level: tuple) -> dict:
     factor, name, overrides, model = level
     cmd = command(overrides, model)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    record = {"factor": factor, "level": name, "overrides": overrides, "command": " ".join(cmd[1:])}
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        return {**record, "error": lines[-1] if lines else f"exit {done.returncode}"}
-    return {**record, **json.loads(done.stdout)}
+    return {"factor": factor, "level": name, "overrides": overrides, "command": " ".join(cmd[1:]), **run_json(cmd)}
 
 
 def _value(record: dict, key: str) -> float:
@@ -130,23 +124,7 @@ def write_table(out: Path, records: list[dict]) -> None:
     note = ("target_met: routing_share >= 2/3 / router_disagreement in [0.05, 0.20] / MoE-dense k3 > 1 "
             "(- : not measured) / step cost <= 2x the base's\n\n")
     not_run = "".join(f"- {f}: not run ({why})\n" for f, why in NOT_RUN)
-    (out / "table.md").write_text(note + _markdown(frame) + "\n\n" + not_run, encoding="utf-8")
-
-
-def _markdown(frame) -> str:
-    def cell(v):
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
-
-
-def _in_order(pool, todo: list):
-    """The records of ``todo`` as they finish in declared order: the base level alone, then the rest in parallel."""
-    first = [lv for lv in todo if lv[0] == "base"]
-    yield from map(run_level, first)
-    yield from pool.map(run_level, [lv for lv in todo if lv not in first])
+    (out / "table.md").write_text(note + markdown(frame) + "\n\n" + not_run, encoding="utf-8")
 
 
 def main() -> int:
@@ -158,23 +136,15 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "levels.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    done = {(r["factor"], r["level"]) for r in records}
+    done = {(r["factor"], r["level"]) for r in load(out)}
     wanted = set(args.only.split(",")) if args.only else None
     todo = [lv for lv in LEVELS if (lv[0], lv[1]) not in done and (wanted is None or lv[1] in wanted)]
-    if not args.table_only:
-        # the base level alone first: it builds the dense control's cold start, which the rollout-side levels
-        # share (two processes would otherwise build the same entry at once)
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for record in _in_order(pool, todo):
-                records.append(record)
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(record) + "\n")
-                write_table(out, records)
-                print(f"{record['factor']}/{record['level']}: {'error ' + record['error'] if 'error' in record else 'done'}",
-                      flush=True)
-    write_table(out, records)
+    if args.table_only:
+        write_table(out, load(out))
+        return 0
+    # the base level alone first: it builds the dense control's cold start, which the rollout-side levels share
+    # (two processes would otherwise build the same entry at once)
+    run_levels(out, todo, run_level, write_table, args.jobs, first=lambda level: level[0] == "base")
     return 0
 
 
