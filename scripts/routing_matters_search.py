@@ -31,12 +31,11 @@ OUT/table.csv (factor, level -> each fidelity row -> step cost).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
-from search_levels import load, markdown, run_json, run_levels
+from search_levels import arguments, load, markdown, run_json, run_levels
 
 BASE = "experiments/rollout_mismatch.yaml"
 FIDELITY_ARGS = ["--prompts", "32", "--update-steps", "3"]
@@ -128,14 +127,8 @@ def write_table(out: Path, records: list[dict]) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out")
-    p.add_argument("--only", default=None, help="comma-separated level names (default: all, in declared order)")
-    p.add_argument("--jobs", type=int, default=1, help="levels run at once (default 1)")
-    p.add_argument("--table-only", action="store_true", help="rewrite the table from levels.jsonl, run nothing")
-    args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = arguments(__doc__)
+    out = args.out
     done = {(r["factor"], r["level"]) for r in load(out)}
     wanted = set(args.only.split(",")) if args.only else None
     todo = [lv for lv in LEVELS if (lv[0], lv[1]) not in done and (wanted is None or lv[1] in wanted)]

@@ -7,11 +7,24 @@ Used by scripts/routing_matters_search.py and scripts/where_grpo_fails_search.py
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+
+def arguments(doc: str) -> argparse.Namespace:
+    """The command line every search takes: OUT, --only, --jobs, --table-only (OUT made if missing)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--only", default=None, help="comma-separated level names (default: all, in declared order)")
+    p.add_argument("--jobs", type=int, default=1, help="levels run at once (default 1)")
+    p.add_argument("--table-only", action="store_true", help="rewrite the table from levels.jsonl, run nothing")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 def run_json(cmd: list[str]) -> dict:
