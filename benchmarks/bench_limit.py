@@ -149,8 +149,7 @@ def bare(model, opt, task, cfg, prompts) -> tuple[dict[str, float], tuple[int, i
 def logged(model, opt, task, cfg, prompts, step: int) -> float:
     """perf/step_s of moe_lab's rl_step with every metric on (routing recorded, the run's replay)."""
     parts = installed(model, cfg.rl)
-    rows = rl_step(Trainee(model, make_rollout_policy(model, cfg.rl), None, opt, parts), task, cfg, step, prompts,
-                   first_update=0)
+    rows = rl_step(Trainee(model, make_rollout_policy(model, cfg.rl), None, opt, parts), task, cfg, step, prompts)
     return rows[0]["perf/step_s"]
 
 

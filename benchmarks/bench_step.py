@@ -55,7 +55,7 @@ def bare_step(model, opt, task, cfg: RunConfig, prompts: list[str]) -> dict[str,
 
 def full_step(model, opt, task, cfg: RunConfig, prompts: list[str], step: int) -> dict[str, float]:
     t0 = time.perf_counter()
-    rows = rl_step(Trainee(model, model, None, opt, installed(model, cfg.rl)), task, cfg, step, prompts, first_update=0)
+    rows = rl_step(Trainee(model, model, None, opt, installed(model, cfg.rl)), task, cfg, step, prompts)
     total = time.perf_counter() - t0
     r = rows[0]
     return {"rollout_s": r["perf/rollout_s"], "old_s": r["perf/old_s"],

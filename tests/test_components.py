@@ -77,11 +77,11 @@ class _Spy(Component):
     def before_updates(self, policy, data, cfg):
         self.calls.append("before_updates")
 
-    def update_context(self, policy):
+    def update_context(self, ctx):
         self.calls.append("update_context")
-        return super().update_context(policy)
+        return super().update_context(ctx)
 
-    def after_optimizer_step(self, policy, handle, data, idx_B, used, latent, metrics):
+    def after_optimizer_step(self, ctx, handle, used, latent, metrics):
         self.calls.append("after_optimizer_step")
         assert "routing/expert_change" in metrics  # the update's routing row is there to read
         return {"spy/updates": 1.0}
@@ -97,7 +97,7 @@ def test_a_step_calls_each_hook_at_its_point_and_its_metrics_reach_the_rows(tmp_
     calls = []
     trainee = dataclasses.replace(trainee, components=Components((_Spy(calls),)))
     torch.manual_seed(cfg.seed)
-    rows = rl_step(trainee, task, cfg, 0, step_prompts(task, cfg, 0), first_update=0)
+    rows = rl_step(trainee, task, cfg, 0, step_prompts(task, cfg, 0))
     assert calls == ["before_updates", "update_context", "after_optimizer_step", "update_context",
                      "after_optimizer_step", "after_updates"]
     assert [r["spy/updates"] for r in rows] == [1.0, 1.0] and all(r["spy/step"] == 1.0 for r in rows)

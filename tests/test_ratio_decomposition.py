@@ -16,8 +16,14 @@ from moe_lab.rl.optim import build_optimizer
 from moe_lab.algos.ratio_metrics import DECOMP_KEYS, ratio_decomposition
 from moe_lab.rl.rollout import forward_logits, token_logprobs
 from moe_lab.routing import record, replay
+from moe_lab.rl.components import Components, UpdateContext
 from moe_lab.rl.step import collect, minibatch_indices, update
 from moe_lab.tasks import get_task
+
+
+def _update(policy, optimizer, data, idx_B, cfg, index: int) -> dict:
+    """step.update of update ``index`` of step 0 on rows idx_B, without step components or a KL reference."""
+    return update(UpdateContext(policy, None, optimizer, Components(), cfg, data, 0, index, idx_B))
 
 
 def _numpy_decomposition(free, ref, old, mask, lo, hi) -> dict[str, float]:
@@ -87,7 +93,7 @@ def test_r2_logged_d_route_equals_an_independent_free_routing_recomputation(tmp_
     _perturb(policy, 0.3)
     probe = copy.deepcopy(policy)  # the weights the update's forwards see (before its optimizer step)
     idx_B = minibatch_indices(data.batch.input_ids_BS.shape[0], 1, cfg.seed, 0)[0]
-    row = update(policy, None, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0, 0)
+    row = _update(policy, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0)
     b = data.batch
     ids, attn, mask = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B], b.response_mask_BT[idx_B]
     with torch.no_grad():
@@ -108,7 +114,7 @@ def test_grpo_log_ratio_is_the_sum_of_both_terms(tmp_path):
     cfg, policy, data = _setup(tmp_path, "rl.minibatches=1")
     _perturb(policy, 0.3)
     idx_B = minibatch_indices(data.batch.input_ids_BS.shape[0], 1, cfg.seed, 0)[0]
-    row = update(policy, None, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0, 0)
+    row = _update(policy, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0)
     total = row["ratio/d_route_var"] + row["ratio/d_weight_var"] + 2 * row["ratio/d_cov"]
     assert row["ratio/d_route_var"] > 1e-6
     assert total == pytest.approx(row["ratio/logratio_var"], rel=1e-4)
@@ -123,7 +129,7 @@ def test_first_update_of_one_update_per_batch_has_no_weight_term(tmp_path, repla
     cfg, policy, data = _setup(tmp_path, f"rl.replay={replay_mode}", "rl.minibatches=1", "rl.epochs=1",
                                "rl.rollout_dtype=float32")
     idx_B = minibatch_indices(data.batch.input_ids_BS.shape[0], 1, cfg.seed, 0)[0]
-    row = update(policy, None, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0, 0)
+    row = _update(policy, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0)
     assert row["ratio/d_weight_mean"] == 0.0 and row["ratio/d_weight_var"] == 0.0
     if replay_mode == "none":
         assert row["ratio/d_route_mean"] == 0.0 and row["ratio/d_route_var"] == 0.0
@@ -136,12 +142,12 @@ def test_decomp_every_leaves_nan_on_skipped_updates_and_changes_nothing_else(tmp
         cfg, policy, data = _setup(tmp_path, "rl.minibatches=2", f"rl.decomp_every={every}", "rl.router_noise=0.1")
         opt = build_optimizer(policy, cfg.rl.section("schedule"))
         n = data.batch.input_ids_BS.shape[0]
-        rows[every] = [update(policy, None, opt, data, idx, cfg, 0, u)
+        rows[every] = [_update(policy, opt, data, idx, cfg, u)
                        for u, idx in enumerate(minibatch_indices(n, 2, cfg.seed, 0))]
     assert all(math.isnan(r["ratio/d_route_var"]) for r in rows[0])
     # every 3rd update: u = 2, 5, ... (u + 1 divisible by 3); updates 0 and 1 of this step have none
     assert all(math.isnan(r["ratio/d_route_var"]) for r in rows[3])
-    rows[3] = [update(policy, None, opt, data, idx, cfg, 0, u)
+    rows[3] = [_update(policy, opt, data, idx, cfg, u)
                for u, idx in zip((2, 4), minibatch_indices(data.batch.input_ids_BS.shape[0], 2, cfg.seed, 0))]
     assert not math.isnan(rows[3][0]["ratio/d_route_var"]) and math.isnan(rows[3][1]["ratio/d_route_var"])
     for on, off in zip(rows[1], rows[0]):  # the extra forward changes no other column
@@ -180,7 +186,7 @@ def test_activation_checkpointing_leaves_the_row_unchanged(tmp_path, replay_mode
         policy.train()
         policy.activation_checkpointing_enable() if checkpointing else policy.activation_checkpointing_disable()
         idx_B = minibatch_indices(data.batch.input_ids_BS.shape[0], 1, cfg.seed, 0)[0]
-        rows[checkpointing] = update(policy, None, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0, 0)
+        rows[checkpointing] = _update(policy, build_optimizer(policy, cfg.rl.section("schedule")), data, idx_B, cfg, 0)
     assert rows[False]["ratio/d_route_var"] > 0
     for key, value in rows[False].items():
         if not key.startswith("perf/"):

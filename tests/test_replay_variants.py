@@ -14,7 +14,7 @@ from moe_lab.models.families import FAMILIES
 from moe_lab.models.families.routers import deepseek_select
 from moe_lab.models import moe_layers
 from moe_lab.routing import expert_change, predictor, record, replay, router_logp_probe
-from moe_lab.rl.step import rl_step, updates_per_step
+from moe_lab.rl.step import rl_step
 from moe_lab.rl.loop import _setup, step_prompts
 from test_routing import perturb_routers, recorded, tiny_model, tokens
 
@@ -126,8 +126,7 @@ def test_freeze_router_keeps_router_weights_and_optimizer_state_untouched(tmp_pa
     start = {n: p.detach().clone() for n, p in policy.named_parameters()}
     routers = {id(p) for layer in moe_layers(policy) for p in layer.router.parameters()}
     for step in range(2):
-        rows = rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step),
-                       first_update=step * updates_per_step(cfg))
+        rows = rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step))
         assert all(0.0 <= r["routing/replay_replace_frac"] <= 1.0 for r in rows)
     moved = {n for n, p in policy.named_parameters() if not torch.equal(p, start[n])}
     router_names = {n for n, p in policy.named_parameters() if id(p) in routers}
@@ -201,8 +200,7 @@ def test_predictive_replay_runs_end_to_end_and_learns_its_heads(tmp_path):
     torch.manual_seed(cfg.seed)
     rows = []
     for step in range(3):
-        rows += rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step),
-                        first_update=step * updates_per_step(cfg))
+        rows += rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step))
     firsts = [r for r in rows if r["minibatch"] == 0]  # each step's first update: before any of its updates
     # from step 1 on the rollout routes by a non-zero head, away from the trainer's own choice ...
     assert all(r["mismatch/expert_change"] > 0 for r in firsts[1:])
@@ -225,13 +223,12 @@ def test_a_bf16_rollout_copy_routes_by_the_current_predictor_heads(tmp_path):
     policy, rollout_policy = trainee.policy, trainee.rollout_policy
     assert rollout_policy is not policy and set(predictor.heads(rollout_policy)) == set(predictor.heads(policy)) != set()
     torch.manual_seed(cfg.seed)
-    rl_step(trainee, task, cfg, 0, step_prompts(task, cfg, 0), first_update=0)
+    rl_step(trainee, task, cfg, 0, step_prompts(task, cfg, 0))
     fitted = predictor.heads(policy)
     assert any(h.any() for h in fitted.values())
     assert not any(h.any() for h in predictor.heads(rollout_policy).values())  # not synced yet: still zero
     trainee.components.sync_rollout_policy(policy, rollout_policy)
     for name, head in predictor.heads(rollout_policy).items():
         assert head.dtype == torch.bfloat16 and torch.equal(head, fitted[name].to(torch.bfloat16))
-    rows = rl_step(trainee, task, cfg, 1, step_prompts(task, cfg, 1),
-                   first_update=updates_per_step(cfg))
+    rows = rl_step(trainee, task, cfg, 1, step_prompts(task, cfg, 1))
     assert rows[0]["mismatch/expert_change"] > 0 and rows[0]["routing/expert_change"] == 0.0

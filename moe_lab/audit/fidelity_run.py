@@ -37,7 +37,7 @@ from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import forward_logits, token_logprobs
 from moe_lab.store.run_folder import RunFolder
 from moe_lab.store.checkpoint_state import read_state
-from moe_lab.rl.step import rl_step, updates_per_step
+from moe_lab.rl.step import rl_step
 from moe_lab.routing import predictor, router_mismatch
 from moe_lab.tasks import get_task, load_tokenizer
 
@@ -173,7 +173,6 @@ def update_samples(policy, task, cfg: RunConfig, algo: str, steps: int, replay: 
     for step in range(steps):
         rollout_policy = make_rollout_policy(trained, cfg.rl)  # the sampler takes the updated weights each step
         prompts = task.sample_prompts(cfg.rl.prompts_per_step, seeds.prompt_rng(cfg.seed, step))
-        done = rl_step(Trainee(trained, rollout_policy, None, optimizer, parts), task, cfg, step, prompts,
-                       first_update=step * updates_per_step(cfg))
+        done = rl_step(Trainee(trained, rollout_policy, None, optimizer, parts), task, cfg, step, prompts)
         rows += [{**r, "index": i} for i, r in enumerate(done)]
     return rows

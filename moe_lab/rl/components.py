@@ -22,7 +22,7 @@ import collections
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -33,6 +33,10 @@ from moe_lab.rl.expert_bias import ExpertBias
 from moe_lab.rl.rollout import forward_logits
 from moe_lab.routing import predictor, replay
 from moe_lab.routing.bias_counts import counted_ids, router_logits
+
+if TYPE_CHECKING:
+    from moe_lab.config import RunConfig
+    from moe_lab.rl.collect import StepData
 
 
 def model_state(model) -> dict[str, torch.Tensor]:
@@ -63,12 +67,13 @@ class Component:
     def before_updates(self, policy, data, cfg) -> None:
         """After the rollout batch is collected, before its first update."""
 
-    def update_context(self, policy) -> contextlib.AbstractContextManager:
+    def update_context(self, ctx: UpdateContext) -> contextlib.AbstractContextManager:
         """Around one update's forward and backward (inside the routing regime); yields its handle."""
         return contextlib.nullcontext()
 
-    def after_optimizer_step(self, policy, handle, data, idx_B, used, latent, metrics: dict) -> dict:
-        """After a finite update's optimizer step: its metrics (``metrics``: the update's so far)."""
+    def after_optimizer_step(self, ctx: UpdateContext, handle, used, latent, metrics: dict) -> dict:
+        """After a finite update's optimizer step: its metrics (``metrics``: the update's so far; ``used``,
+        ``latent``: the routing the update forward used and the router's own choice)."""
         return {}
 
     def after_updates(self, policy) -> dict:
@@ -95,15 +100,15 @@ class BiasUpdates(Component):
         # a checkpoint's family is known only now: refused before the first step
         self.bias = ExpertBias(policy, self.rate, self.count_dtype)
 
-    def update_context(self, policy):
-        return router_logits(policy)
+    def update_context(self, ctx: UpdateContext):
+        return router_logits(ctx.policy)
 
-    def after_optimizer_step(self, policy, handle, data, idx_B, used, latent, metrics: dict) -> dict:
+    def after_optimizer_step(self, ctx: UpdateContext, handle, used, latent, metrics: dict) -> dict:
         """This optimizer step's loads (its one update forward's real tokens, prompt and response: the tokens the
         router ran on, padding excluded), the bias step, and the routing it alone changes."""
-        b = data.batch
+        b, idx_B = ctx.data.batch, ctx.idx_B
         self.bias.count(counted_ids(self.counts, used, latent), b.attention_mask_BS[idx_B][:, :-1])
-        return self.bias.update_measured(policy, handle, b.response_mask_BT[idx_B],
+        return self.bias.update_measured(ctx.policy, handle, b.response_mask_BT[idx_B],
                                          metrics.get("routing/expert_change_latent"))
 
 
@@ -217,15 +222,15 @@ class Components:
             part.before_updates(policy, data, cfg)
 
     @contextlib.contextmanager
-    def update_context(self, policy) -> Iterator[list]:
+    def update_context(self, ctx: UpdateContext) -> Iterator[list]:
         """Every part's context around one update forward and backward; yields their handles, in part order."""
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(part.update_context(policy)) for part in self.parts]
+            yield [stack.enter_context(part.update_context(ctx)) for part in self.parts]
 
-    def after_optimizer_step(self, policy, handles: list, data, idx_B, used, latent, metrics: dict) -> dict:
+    def after_optimizer_step(self, ctx: UpdateContext, handles: list, used, latent, metrics: dict) -> dict:
         out = {}
         for part, handle in zip(self.parts, handles):
-            out.update(part.after_optimizer_step(policy, handle, data, idx_B, used, latent, {**metrics, **out}))
+            out.update(part.after_optimizer_step(ctx, handle, used, latent, {**metrics, **out}))
         return out
 
     def after_updates(self, policy) -> dict:
@@ -264,3 +269,20 @@ class Trainee:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     components: Components
+
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """One optimizer update as ``step.update`` and the components' update hooks see it: the module it runs
+    through (DDP's wrapper under torchrun), the rest of what it trains with, the run's config, and which update of
+    which step it is, on which rows of the step's data."""
+
+    policy: torch.nn.Module
+    ref_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    components: Components
+    cfg: RunConfig
+    data: StepData
+    step: int
+    index: int  # the update's index in the run: its learning rate and generators
+    idx_B: torch.Tensor  # its minibatch's rows of the rollout batch

@@ -52,14 +52,18 @@ from moe_lab.store.status import FINISHED
 # ----------------------------------------------------------------------------- the split of a process group
 
 class DataParallel:
-    """What a process group adds to the one loop (moe_lab.rl.loop.train) and step (step.rl_step): setup on
-    rank 0 first, the world-size check of a resume, the batch split (per-group seeds, group-local
-    minibatches), the exact reduction of the ranks' metrics, and barriers. Rank 0 alone writes."""
+    """What a process group adds to the one loop (moe_lab.rl.loop.train) and step (step.rl_step), the members
+    of moe_lab/rl/split.py's RunSplit: setup on rank 0 first, the world-size check of a resume, the batch split
+    (per-group seeds, group-local minibatches), the exact reduction of the ranks' metrics, and barriers. Rank 0
+    alone writes."""
 
     def __init__(self):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.writer = self.rank == 0
         self.ddp_policy = None
+
+    @property
+    def writer(self) -> bool:
+        return self.rank == 0
 
     def check(self, cfg: RunConfig) -> None:
         check_data_parallel(cfg, self.world)

@@ -30,7 +30,8 @@ from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.components import Components, Trainee
 from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
-from moe_lab.rl.step import SingleProcess, rl_step, updates_per_step
+from moe_lab.rl.split import RunSplit
+from moe_lab.rl.step import SingleProcess, rl_step
 from moe_lab.store import health
 from moe_lab.store.files import atomic_write_text
 from moe_lab.store.run_folder import RunFolder, first_segments
@@ -135,7 +136,8 @@ def make_rollout_policy(policy, rl):
 
 
 class PlainRun(SingleProcess):
-    """The run-level part of a plain run: one process, which sets up, resumes and writes alone."""
+    """The run-level part of a plain run (moe_lab/rl/split.py RunSplit): one process, which sets up, resumes and
+    writes alone."""
 
     writer = True
 
@@ -161,7 +163,7 @@ class PlainRun(SingleProcess):
 
 
 def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", progress: bool = False,
-          split=None) -> str:
+          split: RunSplit | None = None) -> str:
     """Run (or resume) one RL run in run_dir; returns its final status. ``split``: PlainRun() by default,
     moe_lab.rl.distributed.DataParallel under torchrun."""
     split = split or PlainRun()
@@ -226,8 +228,7 @@ def _loop(cfg, task, trainee: Trainee, log: RunLog | None, state: TrainState, ck
             log.add_eval(_evaluate(policy, task, eval_prompts, cfg, step))
         parts.step_start(policy)
         parts.sync_rollout_policy(policy, trainee.rollout_policy)
-        rows = rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step),
-                       first_update=step * updates_per_step(cfg), split=split)
+        rows = rl_step(trainee, task, cfg, step, step_prompts(task, cfg, step), split=split)
         parts.step_end()
         state.wall_s += time.perf_counter() - t0
         for r in rows if log else ():

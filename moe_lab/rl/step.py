@@ -24,10 +24,11 @@ from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
-from moe_lab.rl.components import Components, Trainee
+from moe_lab.rl.components import Trainee, UpdateContext
 from moe_lab.rl.groups import group_minibatch_indices
 from moe_lab.rl.optim import router_parameters, set_lr
 from moe_lab.rl.rollout import forward_logits, token_entropy, token_logprobs
+from moe_lab.rl.split import StepSplit
 from moe_lab.routing import (RouterLogp, Trace, first_divergence, load_metrics, router_gamma,
                              router_logp_probe, router_shift, routing_metrics)
 
@@ -159,11 +160,12 @@ def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | 
                                *_decomp_clip(cfg.rl))
 
 
-def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cfg: RunConfig, step: int,
-           update_idx: int, components: Components = Components()) -> dict[str, float]:
-    """One optimizer step on the minibatch idx_B (indices into the rollout batch); returns its metrics (the
-    update's row of the results table). ``components``: the run's stateful extras (moe_lab.rl.components)."""
+def update(ctx: UpdateContext) -> dict[str, float]:
+    """One optimizer step on the minibatch ctx.idx_B (indices into the rollout batch); returns its metrics (the
+    update's row of the results table). ``ctx.components``: the run's stateful extras (moe_lab.rl.components)."""
     t0 = time.perf_counter()
+    policy, optimizer, data, idx_B, cfg, step, update_idx = (ctx.policy, ctx.optimizer, ctx.data, ctx.idx_B, ctx.cfg,
+                                                            ctx.step, ctx.index)
     lr = set_lr(optimizer, cfg.rl.section("schedule"), update_idx)
     gen = seeds.update_generator(cfg.seed, step, update_idx)
     optimizer.zero_grad(set_to_none=True)
@@ -176,10 +178,10 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
     with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current, \
-            components.update_context(policy) as handles:
+            ctx.components.update_context(ctx) as handles:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
-            loss, metrics, logp_BT = _loss_terms(policy, ref_model, data, idx_B, cfg, shift)
+            loss, metrics, logp_BT = _loss_terms(policy, ctx.ref_model, data, idx_B, cfg, shift)
         grad_norm, router_norm = _backward(policy, loss, cfg.rl.grad_clip)
     metrics.update(_decomposition(policy, data, idx_B, forced, ref, logp_BT, cfg, step, update_idx))
     if math.isfinite(grad_norm):
@@ -187,7 +189,7 @@ def update(policy, ref_model, optimizer, data: StepData, idx_B: torch.Tensor, cf
     used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
     metrics.update(_routing_row(ref, used, latent, mask, shift))
     if math.isfinite(grad_norm):  # what moves with the optimizer (the expert bias) steps with it
-        metrics.update(components.after_optimizer_step(policy, handles, data, idx_B, used, latent, metrics))
+        metrics.update(ctx.components.after_optimizer_step(ctx, handles, used, latent, metrics))
     if forced is not None and cfg.rl.replay_gate > 0:
         metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/router_grad_norm": router_norm,
@@ -213,8 +215,8 @@ def updates_per_step(cfg: RunConfig) -> int:
 class SingleProcess:
     """The batch split of a plain run: one process holds the whole batch (each prompt group sampled under its
     own seed, as on any rank of a torchrun), and there is nothing to reduce.
-    ``moe_lab.rl.distributed.DataParallel`` supplies the same four methods (and the run-level ones of
-    ``moe_lab.rl.loop``) for a process group."""
+    ``moe_lab.rl.distributed.DataParallel`` supplies the same members (moe_lab/rl/split.py: StepSplit, and the
+    run-level ones of RunSplit) for a process group."""
 
     def trained(self, policy):
         """The module the updates run through (DDP's wrapper under torchrun)."""
@@ -252,11 +254,13 @@ class SingleProcess:
         return [(key, metrics) for key, metrics, _ in updates]
 
 
-def rl_step(trainee: Trainee, task, cfg: RunConfig, step: int, prompts: list[str], *, first_update: int,
-            split=None) -> list[dict]:
+def rl_step(trainee: Trainee, task, cfg: RunConfig, step: int, prompts: list[str], *,
+            split: StepSplit | None = None) -> list[dict]:
     """Collect one rollout batch and run epochs x minibatches updates over ``split`` (default: the plain
-    run's ``SingleProcess``); one row per update, the same on every process."""
+    run's ``SingleProcess``); one row per update, the same on every process. Step ``step``'s first update is the
+    run's ``step * updates_per_step(cfg)``-th."""
     split = split or SingleProcess()
+    first_update = step * updates_per_step(cfg)
     policy, parts = trainee.policy, trainee.components
     t0 = time.perf_counter()
     data, batch_metrics, tokens = split.collect(policy, trainee.rollout_policy, trainee.ref_model, task, cfg, step,
@@ -264,7 +268,7 @@ def rl_step(trainee: Trainee, task, cfg: RunConfig, step: int, prompts: list[str
     parts.before_updates(policy, data, cfg)
     trained, updates = split.trained(policy), []
     for epoch, m, u, idx_B in split.schedule(data, cfg, step, first_update):
-        metrics = update(trained, trainee.ref_model, trainee.optimizer, data, idx_B, cfg, step, u, parts)
+        metrics = update(UpdateContext(trained, trainee.ref_model, trainee.optimizer, parts, cfg, data, step, u, idx_B))
         metrics = split.checked(metrics, step, u, first_update)
         updates.append(((epoch, m, u), metrics, idx_B))
         if not split.all_finite(metrics, policy.device):
