@@ -185,7 +185,8 @@ def setup(rl: dict, family: str = "qwen3_moe"):
 
 
 NUMERICS = {"bf16": {"rollout_dtype": "bfloat16"}, "float8": {"rollout_dtype": "float8"},
-            "float8_batch_variant": {"rollout_dtype": "float8", "rollout_kernels": "batch_variant"}}
+            "float8_batch_variant": {"rollout_dtype": "float8", "rollout_kernels": "batch_variant"},
+            "float8_batch_variant_fast": {"rollout_dtype": "float8", "rollout_kernels": "batch_variant_fast"}}
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)

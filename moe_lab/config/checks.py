@@ -81,7 +81,7 @@ def check_expert_bias(cfg) -> None:
 def check_rollout_numerics(rl, family: str) -> None:
     """float8 and batch_variant rollouts emulate the GEMMs of fused experts laid out [E, 2I, H] without bias
     (moe_lab/models/numerics.py); gpt_oss's experts (transposed, biased, clamped activation) are not covered."""
-    if (rl.rollout_dtype == "float8" or rl.rollout_kernels == "batch_variant") and family == "gpt_oss":
+    if (rl.rollout_dtype == "float8" or rl.rollout_kernels != "batch_invariant") and family == "gpt_oss":
         raise ConfigError(f"rl.rollout_dtype={rl.rollout_dtype} / rl.rollout_kernels={rl.rollout_kernels}: not "
                           "emulated for model.family=gpt_oss (biased, transposed experts); allowed there: "
                           "rollout_dtype float32/bfloat16 with rollout_kernels=batch_invariant")

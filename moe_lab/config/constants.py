@@ -60,8 +60,9 @@ DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16")
 # the rollout copy may also run e4m3-fake-quantised GEMMs in fp32 (moe_lab/models/numerics.py); training may not
 ROLLOUT_DTYPES = (*DTYPES, "float8")
-# batch_invariant: the platform's own kernels (the default, unchanged); batch_variant: reductions that follow the batch
-ROLLOUT_KERNELS = ("batch_invariant", "batch_variant")
+# batch_invariant: the platform's own kernels (the default, unchanged); batch_variant: reductions that follow the batch;
+# batch_variant_fast: the same on the platform's GEMMs, with its own bits (moe_lab/models/numerics_fast.py)
+ROLLOUT_KERNELS = ("batch_invariant", "batch_variant", "batch_variant_fast")
 
 # environment variables that pin the CPU kernels' ISA (ATen, MKL, oneDNN): recorded in manifests as machine.env,
 # hashed into the cold-start cache key when set, set by moe-lab run --cpu-isa (moe_lab/launch/isa.py)

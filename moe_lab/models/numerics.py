@@ -120,11 +120,15 @@ class RolloutNumerics:
             if isinstance(module, nn.Linear) and module is not out_emb and not name.endswith("gate"):
                 module.forward = types.MethodType(_linear_forward(self, cache), module)
             elif _is_fused_experts(module):
-                module.forward = types.MethodType(_experts_forward(self, cache), module)
+                module.forward = types.MethodType(self.experts_forward(cache), module)
             elif getattr(getattr(module, "gate_up_proj", None), "dim", lambda: 0)() == 3:
                 raise ValueError(f"rollout numerics: experts {name} ({type(module).__name__}) have a layout "
                                  "(bias or transposed weights) the emulation does not cover")
         return model
+
+    def experts_forward(self, cache: dict):
+        """The fused experts' forward these numerics install (``_experts_forward``)."""
+        return _experts_forward(self, cache)
 
     def weight(self, w: torch.Tensor, cache: dict) -> torch.Tensor:
         """The weight the GEMM uses: blockwise e4m3 (per expert for 3-D weights) under float8, else ``w``."""

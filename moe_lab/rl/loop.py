@@ -24,7 +24,7 @@ import torch
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
 from moe_lab.config.rl import RLCollapse
 from moe_lab.models import load_model, resolve_device
-from moe_lab.models.numerics import RolloutNumerics
+from moe_lab.models.numerics_fast import rollout_numerics
 from moe_lab.rl import checkpoint, seeds
 from moe_lab.rl.coldstart import cold_start, recorded
 from moe_lab.rl.components import Components, Trainee
@@ -128,7 +128,7 @@ def make_rollout_policy(policy, rl):
     """The model the rollouts sample from: ``policy`` itself, or a copy of it in the rollout dtype (bf16, or fp32
     with float8 GEMMs), lagged (rl.rollout_lag) or with batch-variant kernels (rl.rollout_kernels). The numerics
     (moe_lab/models/numerics.py) replace the copy's forwards only, never the policy's."""
-    numerics = RolloutNumerics(float8=rl.rollout_dtype == "float8", batch_variant=rl.rollout_kernels == "batch_variant")
+    numerics = rollout_numerics(rl.rollout_dtype, rl.rollout_kernels)
     if rl.rollout_dtype == "float32" and rl.rollout_lag == 0 and not numerics.active:
         return policy
     dtype = torch.bfloat16 if rl.rollout_dtype == "bfloat16" else torch.float32
