@@ -15,6 +15,7 @@ reduction of the ranks' metrics, and barriers. Only the writing process (rank 0)
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from moe_lab.rl.optim import build_optimizer
 from moe_lab.rl.rollout import accuracy
 from moe_lab.rl.split import RunSplit
 from moe_lab.rl.step import SingleProcess, rl_step
-from moe_lab.store import health
+from moe_lab.store import harness, health
 from moe_lab.store.files import atomic_write_text
 from moe_lab.store.run_folder import RunFolder, first_segments
 from moe_lab.store.runlog import RunLog, config_state, machine_info
@@ -192,8 +193,11 @@ def train(cfg: RunConfig, run_dir: Path, *, run_id: str, arm: str = "default", p
     status = STATUS_COLLAPSED if reason else STATUS_DONE  # every stop reason is a collapse rule's
     if log:
         log.flush()
+        alarm = harness.manifest(log.rows, cfg.rl)  # the rule's one owner: moe_lab/store/harness.py
+        if alarm[harness.MANIFEST_KEY]:
+            print(f"moe-lab run {run_id}: harness alarm: {'; '.join(alarm[harness.MANIFEST_KEY])}", file=sys.stderr)
         log.write_manifest(status, reason, steps_done=state.step, wall_s=state.wall_s, **extra,
-                           **_health(cfg, log).manifest())
+                           **_health(cfg, log).manifest(), **alarm)
     split.barrier()
     return status
 
