@@ -4,8 +4,9 @@ The statistics are the ones `moe-lab compare` prints (endpoints.py, contrasts.py
 cold-start level with the conditional interval labelled, TOST where a margin was declared, Holm), on both
 endpoints; an experiment that declared no contrasts gets the run-level table of every pair, labelled exploratory.
 Then collapse counts with Wilson intervals, the descriptive tables of the metrics the file declares
-(``describe:``), the figures, and under "Conclusion" the file's ``verdict:``, printed only when every number in
-it appears in the generated tables (a conclusion may round nothing and quote nothing the tables do not show).
+(``describe:``), the runs that raised the harness alarm (moe_lab/store/harness.py), the figures, and under
+"Conclusion" the file's ``verdict:``, printed only when every number in it appears in the generated tables (a
+conclusion may round nothing and quote nothing the tables do not show).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moe_lab.analysis import report_design, report_plots, report_tables
+from moe_lab.analysis import report_design, report_plots, report_tables, run_fidelity
 from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import endpoints_head, format_arms, format_pairs, load_comparison
 from moe_lab.analysis.stats import detectable_difference
@@ -153,6 +154,7 @@ def build(results: str | Path | ResultsFolder, figures: bool = True, shown_as: s
     if describe:
         body += ["## Routing and mismatch (descriptive, declared in the experiment file)", "",
                  *report_tables.describe_tables(metrics, per_run, describe)]
+    body += run_fidelity.format_alarms(run_fidelity.alarms(metrics))
     if verdict:
         check_verdict(verdict, "\n".join(body), f"{where}/experiment.yaml")
     drawn = _figures(metrics, evals, spec, tables, describe) if figures else {}
