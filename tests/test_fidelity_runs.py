@@ -16,6 +16,7 @@ import pytest
 from moe_lab import cli
 from moe_lab.analysis import run_fidelity as rf
 from moe_lab.analysis.stats import ols_slope_ci
+from moe_lab.audit import fidelity_runs
 from moe_lab.audit import fidelity_table as ft
 from moe_lab.store import harness
 
@@ -153,11 +154,15 @@ def test_a_run_writes_the_alarm_into_its_manifest_and_one_line(tmp_path, capsys)
     cfg = tiny(tmp_path, "rl.steps=2", "rl.minibatches=1", "rl.grad_clip=1e-9")
     train(cfg, tmp_path / "run", run_id="a")
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    rows = pd.read_parquet(tmp_path / "run" / "metrics.parquet").to_dict("records")
-    assert manifest[harness.MANIFEST_KEY] == harness.alarm(rows, cfg.rl)
+    rows_ = pd.read_parquet(tmp_path / "run" / "metrics.parquet").to_dict("records")
+    assert manifest[harness.MANIFEST_KEY] == harness.alarm(rows_, cfg.rl)
     assert [a.split(":")[0] for a in manifest[harness.MANIFEST_KEY]] == ["grad_clip_binds", "ratio_clip_silent"]
     err = [line for line in capsys.readouterr().err.splitlines() if "harness alarm" in line]
     assert len(err) == 1 and "grad_clip_binds" in err[0]
+    rows = {r.key: r for r in fidelity_runs.measure(tmp_path / "run")[0]}  # the finished run's own rows
+    assert rows["grad_clip_share"].value == 1.0 and rows["grad_clip_share"].units == "2 steps"
+    assert rows["grad_norm_median"].value == pytest.approx(np.mean([np.median([r["optim/grad_norm"] for r in rows_
+                                                                             if r["step"] == s]) for s in (0, 1)]))
 
 
 @pytest.mark.parametrize("case", ["overrides", "empty", "unfinished"])
