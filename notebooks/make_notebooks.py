@@ -213,7 +213,8 @@ for name, (spec, m, e) in loaded.items():
     print(f"\\n### {name}" + (f" ({unfinished} runs not finished, left out)" if unfinished else ""))
     if not len(per_run):
         continue
-    print(endpoints.format_comparison(spec, endpoints.arm_means(per_run), endpoint_plots.endpoint_pairs(per_run)))'''
+    pairs = endpoint_plots.endpoint_pairs(per_run, traits=arm_traits.traits_of(e))  # each arm against GRPO
+    print(endpoints.format_comparison(spec, endpoints.arm_means(per_run), pairs))'''
 
 DECLARED = '''\
 # Folders whose experiment file declares its contrasts (router_learns): stratified by cold start, TOST, Holm
@@ -242,8 +243,8 @@ CONFIRMATION = {
              "as far as they got.",
     "cells": [
         ("code", SETUP.replace("from moe_lab.analysis import figures, plots, results, stability, stability_plots",
-                               "from moe_lab.analysis import (contrasts, endpoint_plots, endpoints, figures, plots,\n"
-                               "                              results, stability, stability_plots)\n"
+                               "from moe_lab.analysis import (arm_traits, contrasts, endpoint_plots, endpoints, figures,\n"
+                               "                              plots, results, stability, stability_plots)\n"
                                "from moe_lab.config import load_yaml\n"
                                "from moe_lab.launch import coldstart_origin, design, progress")),
         ("code", LOAD_CONFIRMATION),

@@ -331,3 +331,74 @@ def test_the_import_check_finds_an_old_name(tmp_path):
                      f"no module {flat}"]
     good = f"from {pkg}.analysis import (plots,  # a comment\n    results)\nimport {pkg}.train\nfrom {pkg} import __version__\n"
     assert list(_unknown_imports(good)) == []
+
+
+# --------------------------------------------------------------------------- names only in the tables
+
+# The tables, and the objective registry beside them (one ``@register("<name>")`` line per row). Everywhere else
+# code reads an arm's objective and modes from its config and asks the rows for their traits.
+NAME_TABLES = ("config/objective_specs.py", "config/mode_specs.py", "algos/objectives.py")
+MODE_CONTEXT = re.compile(r"replay|correction")
+
+
+def _table_names() -> tuple[set[str], set[str]]:
+    """(names spelled nowhere else: every objective, arm preset and mode with an underscore; plain-word mode
+    names ('none', 'old', 'rollout'), which other fields, phases and sections also use)."""
+    from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+    from moe_lab.config.objective_specs import OBJECTIVE_SPECS
+    from moe_lab.launch.compose import arm_presets
+
+    modes = set(REPLAY_SPECS) | set(ROLLOUT_CORRECTION_SPECS)
+    words = {m for m in modes if "_" not in m}
+    return set(OBJECTIVE_SPECS) | set(arm_presets()) | (modes - words), words
+
+
+def _name_literals(text: str, names: set[str], words: set[str]) -> list[tuple[int, str]]:
+    """(line, literal) of each string constant outside docstrings that spells a name (``_table_names``); a
+    plain-word mode name only inside a comparison that mentions a replay or a correction. A config field's
+    declared default (``param(<default>, ...)``) is the field table's own."""
+    tree = ast.parse(text)
+    parent = {id(c): n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    skip = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    skip |= {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+             and getattr(n.func, "id", getattr(n.func, "attr", None)) == "param"}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
+            continue
+        if node.value in names:
+            found.append((node.lineno, node.value))
+        elif node.value in words:
+            up = parent.get(id(node))
+            while up is not None and not isinstance(up, ast.Compare):
+                up = parent.get(id(up))
+            if up is not None and MODE_CONTEXT.search(ast.get_source_segment(text, up) or ""):
+                found.append((node.lineno, node.value))
+    return sorted(found)
+
+
+def test_objective_arm_and_mode_names_are_spelled_only_in_the_tables():
+    """No arm, objective or mode name drives behaviour outside the tables (and the experiment files, YAML): the
+    analysis finds an arm's objective, replay and correction in its runs' config, the trainer a row's trait."""
+    names, words = _table_names()
+    bad = [f"{path.relative_to(PKG.parent)}:{line}: {value!r}" for path in sorted(PKG.rglob("*.py"))
+           if path.relative_to(PKG).as_posix() not in NAME_TABLES
+           for line, value in _name_literals(path.read_text(encoding="utf-8"), names, words)]
+    assert not bad, "names spelled outside the tables (read the run's config, or the row's trait):\n" + "\n".join(bad)
+
+
+def test_the_name_check_finds_names_in_code_but_not_in_docs_or_other_fields():
+    names, words = _table_names()
+    code = ('"""Compares grpo_r2 with gspo."""\n'
+            'ARMS = ("grpo_r2", "gspo")\n'
+            'def f(cfg, df):\n'
+            '    """Only grpo here."""\n'
+            '    bounds = BOUNDS["tis_token"]\n'
+            '    if cfg.rl.old_logp == "rollout" or cfg.phase == "old":\n'
+            '        return df["rl.rollout_correction"].fillna("none") != "none"\n'
+            '    return cfg.rl.replay in ("old", "rollout")\n'
+            'algo: str = param("grpo", "the default")\n')
+    assert _name_literals(code, names, words) == [(2, "grpo_r2"), (2, "gspo"), (5, "tis_token"), (7, "none"),
+                                                  (7, "none"), (8, "old"), (8, "rollout")]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
+from moe_lab.analysis.arm_traits import traits_of
 from moe_lab.analysis.plots import arm_label
 from moe_lab.cli import read_experiment
 from moe_lab.config import ConfigError
@@ -42,7 +44,9 @@ def test_every_objective_replay_and_correction_has_one_preset_name():
 def test_a_preset_is_what_its_name_says(name, algo, replay, correction, label):
     cell = expand({"arms": [name], "base": {"rl": {"rollout_dtype": "bfloat16"}}})[0]
     assert (cell.config.rl.algo, cell.config.rl.replay, cell.config.rl.rollout_correction) == (algo, replay, correction)
-    assert arm_label(name) == label and arm_label(f"{name}__rl.lr=0.1") == f"{label} (lr=0.1)"
+    traits = traits_of(pd.DataFrame({"arm": [name, f"{name}__rl.lr=0.1"], "rl.algo": [algo] * 2,
+                                     "rl.replay": [replay] * 2, "rl.rollout_correction": [correction] * 2}))
+    assert arm_label(name, traits) == label and arm_label(f"{name}__rl.lr=0.1", traits) == f"{label} (lr=0.1)"
 
 
 def test_a_preset_overrides_the_base_and_an_explicit_arm_is_used_as_written():

@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 from synthetic import PAPER_ARMS, write_experiment  # noqa: E402
 
 from moe_lab.analysis import endpoint_plots, endpoints, figures, results  # noqa: E402
+from moe_lab.analysis.arm_traits import traits_of  # noqa: E402
 from moe_lab.analysis.plots import arm_label  # noqa: E402
 from moe_lab.analysis.stats import mean_ci  # noqa: E402
 from moe_lab.launch.experiment import EndpointSpec  # noqa: E402
@@ -67,7 +68,7 @@ def test_the_band_mean_is_the_seed_mean_of_carried_accuracies(frames):
     acc_ax = fig.axes[0]
     for arm in ARMS:
         held = held_per_seed(evals, arm, SCHEDULE)
-        ln = line(acc_ax, arm_label(arm))
+        ln = line(acc_ax, arm_label(arm, traits_of(evals)))
         assert list(ln.get_xdata()) == SCHEDULE
         assert list(ln.get_ydata()) == pytest.approx(list(held.mean(axis=1)))
     # the band's upper edge at the last step is the 95% t-interval over all three seeds, the stopped one included
@@ -139,13 +140,14 @@ def forest_rows(ax):
 def test_forest_points_and_whiskers_are_compare_arms(frames):
     metrics, evals = frames
     pairs = endpoints.compare_arms(endpoints.run_endpoints(metrics, evals), "grpo")
-    ax = endpoint_plots.forest([("exp", pairs)]).axes[0]
+    traits = traits_of(evals)
+    ax = endpoint_plots.forest([("exp", pairs)], traits=traits).axes[0]
     rows = forest_rows(ax)
     assert len(rows) == len(pairs) == len(ARMS) - 1
     for (x, y, lo, hi), r, i in zip(rows, pairs.itertuples(), range(len(rows))):
         assert (x, lo, hi) == pytest.approx((r.primary_diff, r.primary_lo, r.primary_hi)) and y == -i
         assert any(f"p={r.primary_p:.4f}" in t.get_text() and t.get_position()[1] == y for t in ax.texts)
-    expected = [f"exp: {arm_label(r.arm)} − GRPO" for r in pairs.itertuples()]
+    expected = [f"exp: {arm_label(r.arm, traits)} − GRPO" for r in pairs.itertuples()]
     assert [t.get_text() for t in ax.get_yticklabels()] == expected
     assert any(list(ln.get_xdata()) == [0, 0] for ln in ax.get_lines())  # the line at no difference
 
@@ -165,9 +167,11 @@ def test_settings_get_one_column_each_and_their_own_rows(settings_folder):
     for ax, setting in zip(axes[0], ("aux", "clip")):
         held = held_per_seed(evals, f"gspo__control={setting}", [0, 2, 4])
         assert list(line(ax, "GSPO").get_ydata()) == pytest.approx(list(held.mean(axis=1)))
-    pairs = endpoint_plots.endpoint_pairs(endpoint_plots.finished_endpoints(metrics, evals))
+    traits = traits_of(evals)
+    pairs = endpoint_plots.endpoint_pairs(endpoint_plots.finished_endpoints(metrics, evals), traits=traits)
     assert list(pairs["setting"]) == ["control=aux", "control=clip"]
-    labels = [t.get_text() for t in endpoint_plots.forest([("controls", pairs)]).axes[0].get_yticklabels()]
+    labels = [t.get_text() for t in endpoint_plots.forest([("controls", pairs)], traits=traits).axes[0]
+              .get_yticklabels()]
     assert labels == ["controls · control=aux: GSPO − GRPO", "controls · control=clip: GSPO − GRPO"]
 
 

@@ -18,6 +18,8 @@ from moe_lab.analysis import plots
 from moe_lab.analysis import results
 from moe_lab.analysis import stability
 from moe_lab.analysis import stability_plots
+from moe_lab.analysis.arm_traits import ArmTraits, traits_of
+from moe_lab.launch.compose import arm_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,17 +50,48 @@ def legend_texts(fig) -> list[str]:
     return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
 
 
-PAPER_LABELS = [plots.arm_label(a) for a in plots.PAPER_ARMS]
+def preset_traits(*names: str) -> dict:
+    """The traits of arms that run their preset's config (the config, not the name, is what the plots read)."""
+    return {n: ArmTraits(*arm_presets()[n].overrides["rl"].values()) for n in names}
+
+
+PAPER = list(PAPER_ARMS)  # experiments/paper.yaml's arms, in its order
+PAPER_TRAITS = preset_traits(*PAPER)
+PAPER_LABELS = [plots.arm_label(a, PAPER_TRAITS) for a in PAPER]
+
+
+def color(arm: str, as_preset: str | None = None) -> str:
+    """The colour of an arm that runs the preset ``as_preset`` (default: its own name)."""
+    return plots.arm_color(arm, {arm: preset_traits(as_preset or arm)[as_preset or arm]})
 
 
 # --------------------------------------------------------------------------- style
 
 
 def test_arm_colours_are_fixed_okabe_ito_and_distinct():
-    colours = [plots.arm_color(a) for a in plots.PAPER_ARMS]
+    colours = [plots.arm_color(a, PAPER_TRAITS) for a in PAPER]
     assert len(set(colours)) == len(colours) and set(colours) <= set(plots.OKABE_ITO)
-    assert plots.arm_color("grpo__rl.clip_low=0.1") == plots.arm_color("grpo")
-    assert plots.arm_color("my_new_arm") in plots.OKABE_ITO
+    assert color("grpo__rl.clip_low=0.1", "grpo") == color("grpo")
+    assert plots.arm_color("my_new_arm", {}) in plots.OKABE_ITO
+
+
+def test_an_arms_colour_label_and_order_come_from_its_config_not_its_name():
+    """An arm named like one preset but running another's config is drawn as what it runs; a flag of the config
+    (the gate weights replayed too) names itself; the name only tells arms of one config apart."""
+    frame = pd.DataFrame({"arm": ["grpo_r3", "mine", "free__arm=x", "frozen__arm=x", "zeta"],
+                          "rl.algo": ["gspo", "grpo", "grpo", "grpo", "no_such_objective"],
+                          "rl.replay": ["none", "old", "rollout", "rollout", "none"],
+                          "rl.rollout_correction": ["none"] * 5,
+                          "rl.replay_gate_weights": [False, True, False, False, False]})
+    traits = traits_of(frame)
+    assert plots.arm_color("grpo_r3", traits) == color("gspo") and plots.arm_label("grpo_r3", traits) == "GSPO (grpo_r3)"
+    assert plots.arm_label("mine", traits) == "GRPO + R2 replay + gate weights"
+    assert plots.arm_color("mine", traits) not in (color("grpo_r2"), color("grpo"))
+    assert plots.arm_color("free__arm=x", traits) == plots.arm_color("frozen__arm=x", traits) == color("grpo_r3")
+    assert plots.arm_label("free__arm=x", traits) == "GRPO + R3 replay (free, arm=x)"
+    assert plots.arm_linestyle("frozen__arm=x", ["free__arm=x", "frozen__arm=x"], traits) == "--"
+    assert "zeta" not in traits and plots.arm_label("zeta", traits) == "zeta"
+    assert plots.arm_order(list(frame["arm"]), traits) == ["free__arm=x", "frozen__arm=x", "grpo_r3", "mine", "zeta"]
 
 
 def test_preset_colours_come_from_the_objective_and_mode_tables():
@@ -67,24 +100,26 @@ def test_preset_colours_come_from_the_objective_and_mode_tables():
     from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
     from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
-    assert plots.arm_color("gspo") == OBJECTIVE_SPECS["gspo"].color
-    assert plots.arm_color("grpo_r3") == REPLAY_SPECS["rollout"].color
-    assert plots.arm_color("grpo_tis") == ROLLOUT_CORRECTION_SPECS["tis_token"].color
-    gspo_r3 = plots.arm_color("gspo_r3")
-    assert gspo_r3 not in (plots.arm_color("gspo"), plots.arm_color("grpo_r3"))
-    rgb = [[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in (plots.arm_color("gspo"), plots.arm_color("grpo_r3"))]
+    assert color("gspo") == OBJECTIVE_SPECS["gspo"].color
+    assert color("grpo_r3") == REPLAY_SPECS["rollout"].color
+    assert color("grpo_tis") == ROLLOUT_CORRECTION_SPECS["tis_token"].color
+    gspo_r3 = color("gspo_r3")
+    assert gspo_r3 not in (color("gspo"), color("grpo_r3"))
+    rgb = [[int(c[i:i + 2], 16) for i in (1, 3, 5)] for c in (color("gspo"), color("grpo_r3"))]
     assert [int(gspo_r3[i:i + 2], 16) for i in (1, 3, 5)] == [round((a + b) / 2) for a, b in zip(*rgb)]
     arms = [f"{algo}{suffix}" for algo in ("grpo", "gspo") for suffix in ("", "_r2", "_r3", "_tis", "_icepop")]
-    assert len({plots.arm_color(a) for a in arms}) == len(arms)
+    assert len({color(a) for a in arms}) == len(arms)
 
 
 def test_a_variant_of_a_preset_takes_its_colour_and_a_line_style_of_its_own():
     arms = ["grpo_r2_mb1", "grpo_r2_mb2", "grpo_r2_mb4", "grpo_r3_mb4"]
-    assert plots.arm_family("grpo_r2_mb4") == ("grpo_r2", "mb4") and plots.arm_family("grpo_r2w") == ("grpo_r2w", "")
-    assert {plots.arm_color(a) for a in arms[:3]} == {plots.arm_color("grpo_r2")} != {plots.arm_color(arms[3])}
-    assert [plots.arm_linestyle(a, arms) for a in arms] == ["-", "--", ":", "-"]
-    assert plots.arm_label("grpo_r2_mb4") == "GRPO + R2 replay (mb4)"
-    assert plots.arm_label("grpo_r2_mb4__rl.lr=0.001") == "GRPO + R2 replay (mb4, lr=0.001)"
+    traits = {**{a: preset_traits("grpo_r2")["grpo_r2"] for a in arms[:3]}, **preset_traits("grpo_r2", "grpo_r3"),
+              arms[3]: preset_traits("grpo_r3")["grpo_r3"]}
+    assert plots.arm_family("grpo_r2_mb4", traits) == (traits["grpo_r2"], "mb4")
+    assert {plots.arm_color(a, traits) for a in arms[:3]} == {color("grpo_r2")} != {plots.arm_color(arms[3], traits)}
+    assert [plots.arm_linestyle(a, arms, traits) for a in arms] == ["-", "--", ":", "-"]
+    assert plots.arm_label("grpo_r2_mb4", traits) == "GRPO + R2 replay (mb4)"
+    assert plots.arm_label("grpo_r2_mb4__rl.lr=0.001", traits) == "GRPO + R2 replay (mb4, lr=0.001)"
 
 
 @pytest.mark.parametrize("bad", ["red", "#12345", "#GG0000"])
@@ -103,16 +138,16 @@ def test_a_new_arms_colour_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = "from moe_lab.analysis import plots; print(plots.arm_color('my_new_arm'), plots.arm_color('another'))"
+    code = "from moe_lab.analysis import plots; print(plots.arm_color('my_new_arm', {}), plots.arm_color('another', {}))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
-    assert outs == {f"{plots.arm_color('my_new_arm')} {plots.arm_color('another')}\n"}
+    assert outs == {f"{plots.arm_color('my_new_arm', {})} {plots.arm_color('another', {})}\n"}
 
 
 def test_arm_label_and_order():
-    label = plots.arm_label("gspo__rl.clip_low=0.0001__rl.clip_high=0.0002")
-    assert label == "GSPO (clip_low=0.0001, clip_high=0.0002)"
-    assert plots.arm_order(["zeta", "gspo", "grpo_r2", "grpo"]) == ["grpo", "grpo_r2", "gspo", "zeta"]
+    sweep = "gspo__rl.clip_low=0.0001__rl.clip_high=0.0002"
+    assert plots.arm_label(sweep, {sweep: PAPER_TRAITS["gspo"]}) == "GSPO (clip_low=0.0001, clip_high=0.0002)"
+    assert plots.arm_order(["zeta", "gspo", "grpo_r2", "grpo"], PAPER_TRAITS) == ["grpo", "grpo_r2", "gspo", "zeta"]
 
 
 # --------------------------------------------------------------------------- per-step figures
@@ -127,7 +162,7 @@ def test_clip_fraction_log_scale_both_senses_one_line_per_arm(paper):
         assert "fraction of response tokens" in ax.get_ylabel() and title in ax.get_title()
         assert labels(ax) == PAPER_LABELS
         assert [mcolors.to_hex(line.get_color()) for line in ax.get_lines()] == \
-            [plots.arm_color(a).lower() for a in plots.PAPER_ARMS]
+            [plots.arm_color(a, PAPER_TRAITS).lower() for a in PAPER]
         assert len(ax.collections) == len(PAPER_LABELS)  # one seed band per arm
     assert legend_texts(fig) == PAPER_LABELS
     assert bars.get_xscale() == "log" and len(bars.patches) == 2 * len(PAPER_LABELS)
@@ -327,7 +362,7 @@ def test_survival_draws_the_kaplan_meier_steps_per_arm(collapsed):
     assert list(grpo.get_xdata()) == list(range(9)) and grpo.get_drawstyle() == "steps-post"
     assert list(grpo.get_ydata()) == pytest.approx([1] * 6 + [2 / 3] * 3)
     assert list(gspo.get_ydata()) == [1] * 9
-    assert mcolors.to_hex(grpo.get_color()) == plots.arm_color("grpo").lower()
+    assert mcolors.to_hex(grpo.get_color()) == color("grpo").lower()
 
 
 def test_survival_is_planned_only_once_a_run_collapsed(collapsed, paper):
@@ -431,11 +466,13 @@ def test_head_to_head_bars_show_the_arm_table(tmp_path):
 
     fig = stability_plots.head_to_head(metrics, evals)
     table = stability.arm_table(metrics, evals).set_index("arm")
-    order = plots.arm_order(metrics["arm"].unique())
+    traits = traits_of(metrics)
+    order = plots.arm_order(metrics["arm"].unique(), traits)
+    assert order == [*PAPER, "cispo"]
     for ax, (col, _, _) in zip(fig.axes[1:], stability_plots.H2H_PANELS):
         widths = [patch.get_width() for patch in ax.patches]
         assert widths == pytest.approx(list(np.nan_to_num(table.loc[order, col].to_numpy(float))))
-        assert [t.get_text() for t in ax.get_yticklabels()] == [plots.arm_label(a) for a in order]
+        assert [t.get_text() for t in ax.get_yticklabels()] == [plots.arm_label(a, traits) for a in order]
     assert "head_to_head" in figures.planned_figures(metrics, evals)
     paper = metrics[metrics["arm"].isin(PAPER_ARMS)]
     assert "head_to_head" not in figures.planned_figures(paper, evals)  # the main job is no stabilizer match

@@ -12,17 +12,20 @@ from moe_lab.analysis import figures
 from moe_lab.analysis import replay_map
 from moe_lab.analysis import replay_plots
 from moe_lab.analysis import stats as lab_stats
+from moe_lab.launch.compose import arm_presets
 
 
 def _frames(cells: dict[str, tuple[list[float], list[float]]], steps: int = 3):
     """cells: arm -> (per-seed routing share, per-seed final accuracy). Shares vary within a run around the
-    given mean (so the per-run mean is what is tested), accuracies are the value at the last eval step."""
+    given mean (so the per-run mean is what is tested), accuracies are the value at the last eval step. Each arm
+    runs the config of the preset its base name is (the map finds its reference and treatments there)."""
     metrics, evals = [], []
     for arm, (shares, accs) in cells.items():
+        config = {f"rl.{k}": v for k, v in arm_presets()[arm.split("__")[0]].overrides["rl"].items()}
         for seed, (share, acc) in enumerate(zip(shares, accs)):
             for step in range(steps):
                 for mb, delta in enumerate((-0.01, 0.01)):
-                    metrics.append({"arm": arm, "seed": seed, "run_id": f"{arm}-s{seed}", "step": step,
+                    metrics.append({"arm": arm, **config, "seed": seed, "run_id": f"{arm}-s{seed}", "step": step,
                                     "minibatch": mb, replay_map.SHARE: share + delta,
                                     "ratio/token_var": 1.0, "optim/grad_norm": 1.0})
             for step, value in ((0, 0.5), (steps, acc)):  # the final evaluation is the one that counts

@@ -19,6 +19,7 @@ from moe_lab.analysis import results
 from moe_lab.analysis import stability
 from moe_lab.analysis import stats
 from moe_lab.config import PAPER_CLIP
+from moe_lab.launch.compose import arm_presets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -397,7 +398,8 @@ def atlas_frames():
             arm = f"{base}__{factor}={level}"
             for seed in range(seeds):
                 scale = float(level) * (2 if base == "grpo" else 1) + seed
-                info = {"arm": arm, "run_id": f"{arm}-s{seed}", "experiment": "atlas", "seed": seed}
+                info = {"arm": arm, "run_id": f"{arm}-s{seed}", "experiment": "atlas", "seed": seed,
+                        **{f"rl.{k}": v for k, v in arm_presets()[base].overrides["rl"].items()}}
                 for update in range(8):
                     forced = 0.0 if base == "grpo_r2" else 0.01 * scale * (update + 1)
                     rows.append({**info, "step": update // 2, "minibatch": update % 2, "update": update,

@@ -163,7 +163,10 @@ def test_plot_of_an_empty_folder_says_so(tmp_path, capsys):
     assert "no runs to plot" in capsys.readouterr().err
 
 
-def test_fixture_arms_are_the_main_jobs_and_the_plots_know_them():
+def test_the_plots_order_the_paper_arms_as_the_paper_by_their_config():
     from moe_lab.analysis import plots
+    from moe_lab.analysis.arm_traits import ArmTraits
 
-    assert tuple(PAPER_ARMS) == plots.PAPER_ARMS
+    traits = {arm: ArmTraits(over["rl"]["algo"], over["rl"]["replay"], over["rl"]["rollout_correction"])
+              for arm, over in PAPER_ARMS.items()}
+    assert plots.arm_order(list(reversed(PAPER_ARMS)), traits) == list(PAPER_ARMS)

@@ -99,7 +99,7 @@ def _check_advantages(advantages, mask_BT: torch.Tensor, algo: str) -> None:
         raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {_shape(advantages)}")
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating tensor, got dtype {advantages.dtype}")
-    if advantages.ndim == 2 and algo in ("gspo", "gspo_unnormalized", "luspo"):  # gmpo/rspo average them (as verl)
+    if advantages.ndim == 2 and OBJECTIVES[algo].sequence_advantage:  # gmpo/rspo average them (as verl)
         keep_BT = mask_BT.bool()
         high_B = torch.where(keep_BT, advantages, -math.inf).amax(dim=-1)
         low_B = torch.where(keep_BT, advantages, math.inf).amin(dim=-1)

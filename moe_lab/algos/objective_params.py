@@ -34,9 +34,10 @@ def params_class(knobs: Knobs | None) -> type:
     return cls
 
 
-# The classes of the objectives with knobs, by name (type annotations, pickling by reference).
-SapoParams, RspoParams, DppoParams, VespoParams = (params_class(OBJECTIVE_SPECS[a].knobs)
-                                                   for a in ("sapo", "rspo", "dppo_tv", "vespo"))
+# The classes of the objectives' knob sets in the table's order (dppo_tv and dppo_kl share one), by name (type
+# annotations, pickling by reference).
+SapoParams, RspoParams, DppoParams, VespoParams = (params_class(k) for k in dict.fromkeys(
+    spec.knobs for spec in OBJECTIVE_SPECS.values() if spec.knobs is not None))
 SAPO_TAU_POS_DEFAULT, SAPO_TAU_NEG_DEFAULT = SapoParams.tau_pos, SapoParams.tau_neg
 RSPO_FLOOR_DEFAULT = RspoParams.floor
 DPPO_RATIO_CAP_DEFAULT = DppoParams.ratio_cap
@@ -50,6 +51,7 @@ class Objective:
     fn: Callable[..., Any]  # (inputs, params) -> terms
     spec: ObjectiveSpec
     reductions: dict[str, str] = field(default_factory=dict)  # its own metrics across ranks (algos/reductions.py)
+    sequence_advantage: bool = False  # one ratio per sequence that takes one advantage per sequence (B,) only
 
     @property
     def params(self) -> type:
@@ -82,15 +84,16 @@ class ObjectiveRegistry:
         self.specs = specs
         self.entries: dict[str, Objective] = {}
 
-    def register(self, name: str, *, reductions: dict[str, str] | None = None):
-        """Decorator: the function of the spec row ``name``; reductions: how its own metrics combine across ranks."""
+    def register(self, name: str, *, reductions: dict[str, str] | None = None, sequence_advantage: bool = False):
+        """Decorator: the function of the spec row ``name``; reductions: how its own metrics combine across ranks;
+        sequence_advantage: advantages that vary within a response are refused (one ratio per sequence)."""
         if name not in self.specs:
             raise ValueError(f"objective {name!r}: no row in the spec table (moe_lab/config/objective_specs.py)")
         if name in self.entries:
             raise ValueError(f"objective {name!r}: registered twice")
 
         def add(fn: Callable[..., Any]):
-            self.entries[name] = Objective(fn, self.specs[name], dict(reductions or {}))
+            self.entries[name] = Objective(fn, self.specs[name], dict(reductions or {}), sequence_advantage)
             return fn
         return add
 

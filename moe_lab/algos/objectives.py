@@ -45,7 +45,7 @@ from moe_lab.algos.objective_params import (  # noqa: F401 - the defaults are re
     DppoParams, NoParams, Objective, ObjectiveRegistry, RspoParams, SapoParams, VespoParams, check_knob)
 from moe_lab.algos.ratio_metrics import LOG_RATIO_BOUND, masked_mean
 from moe_lab.algos.reductions import SEQ_MEAN, TOKEN_MEAN
-from moe_lab.config.constants import PAPER_CLIP
+from moe_lab.config.constants import BASELINE_ALGO, PAPER_CLIP
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
 __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "ObjectiveRegistry", "OBJECTIVES", "register",
@@ -54,7 +54,7 @@ __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "ObjectiveRegistry"
            "VESPO_SHAPE_DEFAULT"]
 
 
-_GRPO_METRIC_RANGE = PAPER_CLIP["grpo"]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
+_GRPO_METRIC_RANGE = PAPER_CLIP[BASELINE_ALGO]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
 
 
 @dataclass(frozen=True)
@@ -137,14 +137,14 @@ def grpo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     return _ppo_clip(x, x.d_BT, _none_B(x.d_BT))
 
 
-@register("gspo")
+@register("gspo", sequence_advantage=True)
 def gspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """PPO clip on GSPO's length-normalised sequence ratio s_i, broadcast over the response."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=True)
     return _ppo_clip(x, log_seq_B.unsqueeze(-1).expand_as(x.d_BT), clamped_B)
 
 
-@register("gspo_unnormalized")
+@register("gspo_unnormalized", sequence_advantage=True)
 def gspo_unnormalized(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """Ablation: the sequence likelihood ratio exp(sum_t d) without GSPO's 1/|y_i|."""
     log_seq_B, clamped_B = _seq_log_ratio_B(x.d_BT, x.keep_BT, normalize=False)
@@ -315,7 +315,7 @@ def dppo_kl(x: ObjectiveInputs, p: DppoParams) -> ObjectiveTerms:
 # ---------------------------------------------------------------- LUSPO and VESPO
 
 
-@register("luspo")
+@register("luspo", sequence_advantage=True)
 def luspo(x: ObjectiveInputs, p: NoParams) -> ObjectiveTerms:
     """LUSPO (arXiv:2602.05261): GSPO's clipped sequence term scaled by the response length |y_i|, undoing
     the length bias of GSPO's 1/|y_i| mean (its gradient per token no longer shrinks with length).

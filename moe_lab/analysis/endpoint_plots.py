@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from moe_lab.analysis import endpoints, results
+from moe_lab.analysis.arm_traits import arms_where, is_baseline, traits_of
 from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_linestyle, arm_order, band, figure_legend,
                                     new_figure, styled)
 from moe_lab.launch.experiment import EndpointSpec
@@ -72,14 +73,14 @@ def carried_curves(frame: pd.DataFrame, metric: str, grid_of: Callable[[pd.Serie
 
 
 def _panel(ax, table: pd.DataFrame, run_values: pd.Series, arms: Sequence[str], window: tuple[float, float], *,
-           ylabel: str) -> None:
+           ylabel: str, traits: dict) -> None:
     """Seed-band curves of one setting (``run_values``: every run's carried values there) and the endpoint's window
     shaded behind them."""
     ax.axvspan(*window, color=WINDOW_COLOR, alpha=0.6, linewidth=0, label="endpoint window")
     for arm in arms:
         rows = table[table["arm_base"] == arm]
         if rows["mean"].notna().any():
-            band(ax, rows, arm_label(arm), arm_color(arm), linestyle=arm_linestyle(arm, arms))
+            band(ax, rows, arm_label(arm, traits), arm_color(arm, traits), linestyle=arm_linestyle(arm, arms, traits))
     ax.set(xlabel=STEP, ylabel=ylabel)
     # A t band of two or three seeds (a folder still running) reaches far past any seed's value (accuracy 1.5):
     # the axis stops a little beyond the values the runs took, so the curves stay readable.
@@ -107,7 +108,8 @@ def learning_curves(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSp
     panels = [(spec.primary_metric, carried_curves(evals, spec.primary_metric, eval_grid))]
     if spec.secondary_metric in metrics and metrics[spec.secondary_metric].notna().any():
         panels.append((spec.secondary_metric, carried_curves(metrics, spec.secondary_metric, step_grid)))
-    arms = list(arms) if arms is not None else arm_order(panels[0][1]["arm_base"].unique())
+    traits = traits_of(evals)
+    arms = list(arms) if arms is not None else arm_order(panels[0][1]["arm_base"].unique(), traits)
     settings = sorted(panels[0][1]["setting"].unique())
     fig, axes = new_figure(len(settings), len(panels), width=4.4, height=3.2)
     for i, (metric, carried) in enumerate(panels):
@@ -115,7 +117,7 @@ def learning_curves(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSp
         for j, setting in enumerate(settings):
             first = evals[evals["arm"].map(setting_of) == setting].iloc[0]
             _panel(axes[i, j], table[table["setting"] == setting], carried.loc[carried["setting"] == setting, metric],
-                   arms, _windows(first, spec)[i], ylabel=metric)
+                   arms, _windows(first, spec)[i], ylabel=metric, traits=traits)
     for j, setting in enumerate(settings):
         ev = evals[evals["arm"].map(setting_of) == setting]
         cold = ev.loc[ev["step"] == 0, spec.primary_metric].mean()
@@ -138,8 +140,13 @@ def finished_endpoints(metrics: pd.DataFrame, evals: pd.DataFrame, spec: Endpoin
     return per_run[per_run["status"].isin(FINISHED)] if "status" in per_run else per_run
 
 
-def endpoint_pairs(per_run: pd.DataFrame, baseline: str | None = "grpo") -> pd.DataFrame:
-    """endpoints.compare_arms against ``baseline`` where the runs have that arm, else every pair of arms."""
+def endpoint_pairs(per_run: pd.DataFrame, baseline: str | None = None, traits: dict | None = None) -> pd.DataFrame:
+    """endpoints.compare_arms against ``baseline`` where the runs have that arm, else every pair of arms; no
+    ``baseline``: the arm whose config is the baseline objective alone (GRPO: arm_traits.is_baseline), by
+    ``traits`` (arm_traits.traits_of of the runs' frame), if any."""
+    if baseline is None:
+        found = arms_where(per_run["arm_base"].unique(), traits or {}, is_baseline)
+        baseline = found[0] if found else None
     present = baseline is not None and baseline in set(per_run["arm_base"])
     return endpoints.compare_arms(per_run, baseline if present else None)
 
@@ -151,9 +158,9 @@ def load_folder(folder: str | Path | ResultsFolder) -> tuple[EndpointSpec, pd.Da
     return parse_experiment(folder.experiment()).endpoints, metrics, evals
 
 
-def _row_label(group: str, r) -> str:
+def _row_label(group: str, r, traits: dict) -> str:
     where = " · ".join(part for part in (group, r.setting) if part)
-    return f"{where + ': ' if where else ''}{arm_label(r.arm)} − {arm_label(r.vs)}"
+    return f"{where + ': ' if where else ''}{arm_label(r.arm, traits)} − {arm_label(r.vs, traits)}"
 
 
 def _p_text(r, column: str) -> str:
@@ -163,10 +170,12 @@ def _p_text(r, column: str) -> str:
 
 @styled
 def forest(entries: Sequence[tuple[str, pd.DataFrame]], column: str = "primary",
-           xlabel: str | None = None) -> Figure:
+           xlabel: str | None = None, traits: dict | None = None) -> Figure:
     """One row per pair of arms of each (label, endpoints.compare_arms frame) entry, top to bottom: the
     difference of the endpoint (arm − vs) as a point with its Welch 95% interval as whiskers, a line at 0,
-    the permutation p and both n written beside the row. Separate intervals are not the test: the row is."""
+    the permutation p and both n written beside the row. Separate intervals are not the test: the row is.
+    ``traits``: the arms' (arm_traits.traits_of), for their colours and labels."""
+    traits = traits or {}
     rows = [(label, r) for label, pairs in entries for r in pairs.itertuples(index=False)]
     if not rows:
         raise ValueError("forest: no pair of arms to compare (one arm per setting, or no finished runs)")
@@ -176,12 +185,12 @@ def forest(entries: Sequence[tuple[str, pd.DataFrame]], column: str = "primary",
     for i, (label, r) in enumerate(rows):
         diff, lo, hi = (float(getattr(r, f"{column}_{k}")) for k in ("diff", "lo", "hi"))
         xerr_2x1 = np.nan_to_num(np.array([[diff - lo], [hi - diff]]))  # one seed a side: no interval, no whisker
-        ax.errorbar([diff], [-i], xerr=xerr_2x1, fmt="o", capsize=3, color=arm_color(r.arm))
+        ax.errorbar([diff], [-i], xerr=xerr_2x1, fmt="o", capsize=3, color=arm_color(r.arm, traits))
         ax.text(1.02, -i, _p_text(r, column), transform=beside, va="center", fontsize=7)
         if i and (label, r.setting) != (rows[i - 1][0], rows[i - 1][1].setting):
             ax.axhline(0.5 - i, color="0.8", linewidth=0.6)  # a rule between experiments/settings
     ax.axvline(0.0, color="0.3", linewidth=1)
-    ax.set_yticks(-np.arange(len(rows)), [_row_label(label, r) for label, r in rows])
+    ax.set_yticks(-np.arange(len(rows)), [_row_label(label, r, traits) for label, r in rows])
     ax.set_ylim(-len(rows) + 0.5, 0.5)
     ax.set_xlabel(xlabel or f"{column} endpoint: difference of the per-seed means (arm − baseline), Welch 95%")
     ax.set_title("differences between arms: point, Welch 95% interval, permutation p (exact unless MC)")
@@ -189,22 +198,25 @@ def forest(entries: Sequence[tuple[str, pd.DataFrame]], column: str = "primary",
 
 
 def forest_of_frames(metrics: pd.DataFrame, evals: pd.DataFrame, spec: EndpointSpec = EndpointSpec(),
-                     baseline: str | None = "grpo") -> Figure:
-    """The forest of one experiment's finished runs (each arm against ``baseline`` where present)."""
-    pairs = endpoint_pairs(finished_endpoints(metrics, evals, spec), baseline)
+                     baseline: str | None = None) -> Figure:
+    """The forest of one experiment's finished runs (each arm against ``baseline`` where present; default: the
+    baseline by its config, endpoint_pairs)."""
+    traits = traits_of(evals)
+    pairs = endpoint_pairs(finished_endpoints(metrics, evals, spec), baseline, traits)
     names = evals["experiment"].dropna().unique() if "experiment" in evals else []
-    return forest([(str(names[0]) if len(names) == 1 else "", pairs)],
+    return forest([(str(names[0]) if len(names) == 1 else "", pairs)], traits=traits,
                   xlabel=f"difference in mean {spec.primary_metric} over the last {spec.last_evals} evaluations "
                          "(arm − baseline), Welch 95%")
 
 
-def forest_across(folders: Sequence[str | Path], baseline: str | None = "grpo", column: str = "primary",
+def forest_across(folders: Sequence[str | Path], baseline: str | None = None, column: str = "primary",
                   arms: Sequence[str] | None = None) -> Figure:
     """One forest over several experiment folders (each its own rows, labelled with the folder's name); a
     folder that is absent, has no runs or no finished ones is left out. Each folder's endpoints come from its
     own experiment.yaml.
-    ``arms``: only the rows of these arms against the baseline (e.g. grpo_r2 and gspo), else every arm."""
-    entries = []
+    ``arms``: only the rows of these arms against the baseline (default: the baseline by its config,
+    endpoint_pairs), else every arm."""
+    entries, traits = [], {}
     for folder in map(Path, folders):
         if not folder.is_dir() or not results.find_run_dirs(folder):  # absent or not started yet
             continue
@@ -212,6 +224,8 @@ def forest_across(folders: Sequence[str | Path], baseline: str | None = "grpo", 
         per_run = finished_endpoints(metrics, evals, spec)
         if not len(per_run):  # every run still running: nothing to compare yet
             continue
-        pairs = endpoint_pairs(per_run, baseline)
+        folder_traits = traits_of(evals)
+        traits.update(folder_traits)
+        pairs = endpoint_pairs(per_run, baseline, folder_traits)
         entries.append((folder.name, pairs if arms is None else pairs[pairs["arm"].isin(arms)]))
-    return forest(entries, column=column)
+    return forest(entries, column=column, traits=traits)

@@ -3,7 +3,7 @@
 File names are fixed (FIGURE_NAMES + format suffix) so that READMEs and notebooks can point at them. A figure
 whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty;
 the survival figure is drawn once some run collapsed, the atlas for a one-factor-at-a-time experiment (arms
-labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, grpo_r2), the endpoints' learning
+labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, GRPO + R2 by its config), the endpoints' learning
 curves once some arm has several seeds and their forest once some setting also has two arms.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moe_lab.analysis import arm_traits
 from moe_lab.analysis import endpoint_plots
 from moe_lab.analysis import plots
 from moe_lab.analysis import replay_map
@@ -132,10 +133,9 @@ def _design(results_dir: Path) -> dict | None:
 def is_head_to_head(df: pd.DataFrame) -> bool:
     """A comparison of stabilizers: some arm runs an objective beyond the PPO-clip family or a rollout
     correction (experiments/stabilizers.yaml), and no arm is a factor level (an atlas)."""
-    if "algo" not in df or (_has(df, "factor") and df["factor"].notna().any()):
+    if _has(df, "factor") and df["factor"].notna().any():
         return False
-    corrected = df["rl.rollout_correction"].fillna("none") != "none" if "rl.rollout_correction" in df else False
-    return bool((~df["algo"].isin(PPO_CLIP_ALGOS) | corrected).any())
+    return any(t.algo not in PPO_CLIP_ALGOS or t.corrected for t in arm_traits.traits_of(df).values())
 
 
 def is_replay_comparison(df: pd.DataFrame) -> bool:
@@ -143,20 +143,23 @@ def is_replay_comparison(df: pd.DataFrame) -> bool:
     a folder whose runs did not log the decomposition draws neither (it has no share to place on the map)."""
     if "arm_base" not in df or not _has(df, replay_map.SHARE, "ratio/token_var", "optim/grad_norm"):
         return False
-    arms = set(df["arm_base"].dropna())
-    return replay_map.REFERENCE in arms and bool(arms & {"grpo_r2", "grpo_r3"})
+    traits, arms = arm_traits.traits_of(df), df["arm_base"].dropna().unique()
+    return bool(arm_traits.arms_where(arms, traits, arm_traits.is_baseline)
+                and arm_traits.arms_where(arms, traits, arm_traits.is_replay_of_baseline))
 
 
-def is_atlas(df: pd.DataFrame, reference: str = stability.ATLAS_REFERENCE) -> bool:
+def is_atlas(df: pd.DataFrame, reference: str | None = None) -> bool:
     """A one-factor-at-a-time experiment: factor-labelled arms that include the reference arm (the atlas's
-    accuracy gap is taken to it). A plain sweep (clip range, router lr of GRPO and GSPO) is not one."""
+    accuracy gap is taken to it; default: stability.atlas_reference). A plain sweep (clip range, router lr of
+    GRPO and GSPO) is not one."""
     if not _has(df, "factor") or "arm_base" not in df:
         return False
     labelled = df[df["factor"].notna()]
     # A grid sweep labels every cell with the one (compound) factor it varies and has no shared base point;
     # an atlas varies several factors, or runs its base point as '<arm>__base'.
     one_at_a_time = labelled["factor"].nunique() > 1 or bool((labelled["factor"] == BASE_LABEL).any())
-    return one_at_a_time and bool((labelled["arm_base"] == reference).any())
+    reference = stability.atlas_reference(df) if reference is None else reference
+    return one_at_a_time and reference is not None and bool((labelled["arm_base"] == reference).any())
 
 
 def parse_formats(formats: str | Sequence[str]) -> tuple[str, ...]:

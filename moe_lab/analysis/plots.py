@@ -2,8 +2,9 @@
 
 Every function returns a matplotlib Figure built without pyplot (no global figure registry, no display
 backend needed: savefig picks Agg/PDF/SVG by format). Curves are the mean over seeds with a shaded 95%
-t-interval (results.per_step); sweep points carry the same interval as error bars. Colours are Okabe-Ito
-(colour-blind safe) and fixed per arm, so an arm looks the same in every figure.
+t-interval (results.per_step); sweep points carry the same interval as error bars. An arm's colour and label
+come from its traits (its objective and modes, read from its runs' config: arm_traits), so an arm looks the same
+in every figure.
 """
 
 from __future__ import annotations
@@ -20,14 +21,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from moe_lab.analysis import results
-from moe_lab.launch.compose import arm_preset
+from moe_lab.analysis.arm_traits import ArmTraits, traits_of
+from moe_lab.config.constants import PPO_CLIP_ALGOS
 
 OKABE_ITO = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000")
-# The arms that are no preset (a preset's colour and label are built from the objective and mode tables:
-# launch/compose.py); any other arm takes an Okabe-Ito colour by its name.
-ARM_COLORS = {"grpo_r2w": "#8F5F00"}
-ARM_LABELS = {"grpo_r2w": "GRPO + R2 replay + gate weights"}
-PAPER_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_token")
 STYLE = {"axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
          "font.size": 9, "axes.titlesize": 9, "legend.fontsize": 7, "legend.frameon": False, "lines.linewidth": 1.5}
 BAND_ALPHA = 0.2
@@ -36,6 +33,7 @@ LINESTYLES = ("-", "--", ":", "-.")
 LAYER_RE = re.compile(r"routing/layer_(\d+)/expert_change")
 STEP, TOKENS = "RL step", "fraction of response tokens"
 CHANGE = "share of top-k experts changed"
+Traits = dict[str, ArmTraits]  # arm -> its traits, from its runs' config (arm_traits.traits_of of the frame)
 
 
 def styled(fn):
@@ -47,51 +45,69 @@ def styled(fn):
     return wrapper
 
 
-def arm_family(arm: str) -> tuple[str, str]:
-    """(the arm's preset or named arm, its variant tag): 'grpo_r2_mb4__rl.lr=1e-4' -> ('grpo_r2', 'mb4'), the
-    longest preset the base name extends by '_<tag>'; a name that extends no preset is its own family."""
+def arm_family(arm: str, traits: Traits) -> tuple[ArmTraits | str, str]:
+    """(what gives the arm its colour, its variant tag): its traits where its config names them, else its base
+    name. The tag tells arms of one set of traits apart: the rest of a name that extends the traits' preset or
+    objective ('grpo_r2_mb4' -> 'mb4'), or a name that extends neither ('free'); none where the name is one of
+    them or a flag's words already name what the arm adds."""
     base = results.base_arm(arm)
-    if base in ARM_COLORS or arm_preset(base) is not None:
+    t = traits.get(str(arm), traits.get(base))
+    if t is None:
         return base, ""
-    heads = [base[:i] for i, ch in enumerate(base) if ch == "_" and arm_preset(base[:i]) is not None]
-    return (heads[-1], base[len(heads[-1]) + 1:]) if heads else (base, "")
+    if t.flags:
+        return t, ""
+    for prefix in (t.preset, t.algo):
+        if base == prefix or base.startswith(prefix + "_"):
+            return t, base[len(prefix) + 1:]
+    return t, base
 
 
-def arm_color(arm: str) -> str:
-    """A fixed colour per arm family (``arm_family``): a sweep arm ('grpo__rl.clip_low=0.1') or a variant
-    ('grpo_r2_mb4') takes its preset's colour (launch/compose.py), and line styles tell them apart."""
-    family, _ = arm_family(arm)
-    preset = arm_preset(family)
-    return (preset and preset.color) or ARM_COLORS.get(family) or OKABE_ITO[zlib.crc32(family.encode()) % len(OKABE_ITO)]
+def arm_color(arm: str, traits: Traits) -> str:
+    """A fixed colour per set of traits (its objective and modes, arm_traits), the same in every figure: a sweep
+    arm ('grpo__rl.clip_low=0.1') or a variant ('grpo_r2_mb4') takes its preset's colour (launch/compose.py), and
+    line styles tell them apart; an arm without traits takes an Okabe-Ito colour by its name."""
+    family, _ = arm_family(arm, traits)
+    if isinstance(family, ArmTraits) and family.color:
+        return family.color
+    name = family.preset if isinstance(family, ArmTraits) else family
+    return OKABE_ITO[zlib.crc32(name.encode()) % len(OKABE_ITO)]
 
 
-def arm_label(arm: str, wrap: bool = False) -> str:
-    """'GRPO', 'GRPO + R2 replay (mb4)' for a variant of a preset, or 'GRPO (clip_low=0.1, clip_high=0.13)' for a
-    sweep arm (second line with wrap=True)."""
-    family, tag = arm_family(arm)
-    preset = arm_preset(family)
-    label = preset.label if preset else ARM_LABELS.get(family, family)
+def arm_label(arm: str, traits: Traits, wrap: bool = False) -> str:
+    """'GRPO', 'GRPO + R2 replay (mb4)' for a variant, or 'GRPO (clip_low=0.1, clip_high=0.13)' for a sweep arm
+    (second line with wrap=True); an arm without traits: its name."""
+    family, tag = arm_family(arm, traits)
+    label = family.label if isinstance(family, ArmTraits) else family
     sweep = str(arm).partition("__")[2]
     points = ", ".join([tag] * bool(tag) + [f"{key.rsplit('.', 1)[-1]}={value}" for key, _, value in
                                             (p.partition("=") for p in sweep.split("__")) if sweep])
     return f"{label}{chr(10) if wrap else ' '}({points})" if points else label
 
 
-def arm_linestyle(arm: str, arms: Sequence[str]) -> str:
+def arm_linestyle(arm: str, arms: Sequence[str], traits: Traits) -> str:
     """Solid for a plain arm; the sweep points and variants of one family share its colour and differ by line
     style."""
-    siblings = [a for a in arms if arm_family(a)[0] == arm_family(arm)[0]]
+    siblings = [a for a in arms if arm_family(a, traits)[0] == arm_family(arm, traits)[0]]
     return LINESTYLES[siblings.index(arm) % len(LINESTYLES)] if arm in siblings else "-"
 
 
-def arm_order(arms: Sequence[str]) -> list[str]:
-    """The paper's arms in the paper's order first, then the rest alphabetically."""
-    arms = list(dict.fromkeys(arms))
-    return [a for a in PAPER_ARMS if a in arms] + sorted(a for a in arms if a not in PAPER_ARMS)
+def arm_order(arms: Sequence[str], traits: Traits | None = None) -> list[str]:
+    """The arms in the tables' order of their traits (objective, replay, correction: the paper's GRPO, + R2,
+    + R3, GSPO, GSPO-token), then by name; arms without traits (or no ``traits``) after them by name."""
+    def key(arm):
+        family, _ = arm_family(arm, traits or {})
+        return (0, family.order, str(arm)) if isinstance(family, ArmTraits) else (1, (), str(arm))
+    return sorted(dict.fromkeys(arms), key=key)
+
+
+def paper_arms(arms: Sequence[str], traits: Traits) -> list[str]:
+    """The paper's comparison among ``arms``: the PPO-clip objectives, with or without replay, no correction."""
+    return [a for a in arms if isinstance(f := arm_family(a, traits)[0], ArmTraits)
+            and f.algo in PPO_CLIP_ALGOS and not f.corrected and not f.flags]
 
 
 def arms_to_draw(df: pd.DataFrame, arms: Sequence[str] | None) -> list[str]:
-    present = arm_order(df["arm"].dropna().astype(str).unique()) if "arm" in df else []
+    present = arm_order(df["arm"].dropna().astype(str).unique(), traits_of(df)) if "arm" in df else []
     if arms is None:
         return present
     missing = [a for a in arms if a not in present]
@@ -130,13 +146,16 @@ def band(ax, table: pd.DataFrame, label: str, color: str, *, log: bool = False, 
 
 
 def curves(ax, df: pd.DataFrame, metric: str, arms: Sequence[str], *, ylabel: str, title: str,
-           log: bool = False) -> None:
-    """One seed-band curve per arm of `metric` against the RL step."""
+           log: bool = False, traits: Traits | None = None) -> None:
+    """One seed-band curve per arm of `metric` against the RL step (``traits``: the arms', where ``df`` is a
+    frame derived without the config columns)."""
     table = results.per_step(df[df["arm"].isin(arms)], metric, by=("arm",))
+    traits = traits_of(df) if traits is None else traits
     for arm in arms:
         rows = table[table["arm"] == arm]
         if rows["mean"].notna().any():
-            band(ax, rows, arm_label(arm), arm_color(arm), log=log, linestyle=arm_linestyle(arm, arms))
+            band(ax, rows, arm_label(arm, traits), arm_color(arm, traits), log=log,
+                 linestyle=arm_linestyle(arm, arms, traits))
     ax.set(xlabel=STEP, ylabel=ylabel, title=title)
     if log:
         ax.set_yscale("log")
@@ -153,13 +172,14 @@ def run_mean_bars(ax, metrics_df: pd.DataFrame, arms: Sequence[str], metrics: Se
     the first metric solid, the next ones pale."""
     per_run = results.last_frac_means(metrics_df[metrics_df["arm"].isin(arms)], metrics, ["arm"], 1.0)
     height = 0.8 / len(metrics)
+    traits = traits_of(metrics_df)
     for j, metric in enumerate(metrics):
         stats = np.array([results.mean_ci(per_run.loc[per_run["arm"] == a, metric]) for a in arms]).reshape(-1, 3)
         lo = positive_floor(stats[:, 1], stats[:, 0])
         err = np.abs(np.nan_to_num(np.stack([lo, stats[:, 2]]) - stats[None, :, 0]))
         ax.barh(np.arange(len(arms)) + (j - (len(metrics) - 1) / 2) * height, stats[:, 0], height, xerr=err,
-                capsize=2, color=[arm_color(a) for a in arms], alpha=1.0 if j == 0 else 0.5, label=metric)
-    ax.set_yticks(np.arange(len(arms)), [arm_label(a, wrap=True) for a in arms])
+                capsize=2, color=[arm_color(a, traits) for a in arms], alpha=1.0 if j == 0 else 0.5, label=metric)
+    ax.set_yticks(np.arange(len(arms)), [arm_label(a, traits, wrap=True) for a in arms])
     ax.invert_yaxis()  # first arm on top, as in the legend
     ax.set(xscale="log", xlabel=f"{TOKENS} (log)", title="mean over the run (solid: outside, pale: zeroed)")
 
@@ -187,7 +207,7 @@ def reward_curves(metrics_df: pd.DataFrame, eval_df: pd.DataFrame | None = None,
     (default arms: the paper's five where present, else every arm)."""
     _require(metrics_df, ["reward/mean"], "reward_curves")
     if arms is None:
-        arms = [a for a in PAPER_ARMS if a in set(metrics_df["arm"])] or None
+        arms = paper_arms(arms_to_draw(metrics_df, None), traits_of(metrics_df)) or None
     arms = arms_to_draw(metrics_df, arms)
     evals = {m: t for m, t in (("eval/acc_greedy", "held-out accuracy, greedy"),
                                 ("eval/acc_sampled", "held-out accuracy, sampled (T=1)"))
@@ -207,10 +227,10 @@ def routing_volatility(metrics_df: pd.DataFrame, arms: Sequence[str] | None = No
     """Expert change per update per arm; next to it, under replay, the latent change vs the forced one."""
     _require(metrics_df, ["routing/expert_change"], "routing_volatility")
     arms = arms_to_draw(metrics_df, arms)
+    traits = traits_of(metrics_df)
     replay_arms = []
-    if "replay" in metrics_df and "routing/expert_change_latent" in metrics_df:
-        replayed = set(metrics_df.loc[metrics_df["replay"].fillna("none") != "none", "arm"])
-        replay_arms = [a for a in arms if a in replayed]
+    if "routing/expert_change_latent" in metrics_df:
+        replay_arms = [a for a in arms if a in traits and traits[a].replays]
     fig, axes = new_figure(2 if replay_arms else 1)
     curves(axes[0, 0], metrics_df, "routing/expert_change", arms, ylabel=CHANGE,
            title="per update: old-policy routing vs routing used")
@@ -220,8 +240,9 @@ def routing_volatility(metrics_df: pd.DataFrame, arms: Sequence[str] | None = No
         latent = results.per_step(sub, "routing/expert_change_latent")
         forced = results.per_step(sub, "routing/expert_change")
         for arm in replay_arms:
-            band(ax, latent[latent["arm"] == arm], f"{arm_label(arm)}: latent", arm_color(arm))
-            band(ax, forced[forced["arm"] == arm], f"{arm_label(arm)}: forced", arm_color(arm), linestyle="--")
+            label, color = arm_label(arm, traits), arm_color(arm, traits)
+            band(ax, latent[latent["arm"] == arm], f"{label}: latent", color)
+            band(ax, forced[forced["arm"] == arm], f"{label}: forced", color, linestyle="--")
         ax.set(xlabel=STEP, ylabel=CHANGE,
                title="under replay: router's choice (latent) vs used (forced)")
         ax.legend()
@@ -242,6 +263,7 @@ def routing_heatmap(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None)
     if not cols:
         raise ValueError("routing_heatmap: the frame has no routing/layer_{i}/expert_change columns")
     arms = arms_to_draw(metrics_df, arms)
+    traits = traits_of(metrics_df)
     grids = {}
     for arm in arms:
         sub = metrics_df[metrics_df["arm"] == arm]
@@ -256,7 +278,7 @@ def routing_heatmap(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None)
         steps, grid_LS = grids[arm]
         image = ax.imshow(grid_LS, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=vmax,
                           extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(cols) - 0.5), interpolation="nearest")
-        ax.set(xlabel=STEP, ylabel="MoE layer", title=arm_label(arm, wrap=True))
+        ax.set(xlabel=STEP, ylabel="MoE layer", title=arm_label(arm, traits, wrap=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(False)
     fig.colorbar(image, ax=list(axes.flat[:len(arms)]), label=f"{CHANGE} per update")
@@ -296,8 +318,9 @@ def sweep_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, x: str, series:
     return results.summarize(metrics_df, eval_df, by=(series, x)).sort_values([series, x])
 
 
-def _sweep_lines(ax, table: pd.DataFrame, x: str, metric: str, series: str, *, ylabel: str, log_y: bool = False):
-    for name in arm_order(table[series].astype(str).unique()):
+def _sweep_lines(ax, table: pd.DataFrame, x: str, metric: str, series: str, traits: Traits, *, ylabel: str,
+                 log_y: bool = False):
+    for name in arm_order(table[series].astype(str).unique(), traits):
         rows = table[table[series] == name]
         mean = rows[metric].to_numpy(float)
         lo, hi = rows[f"{metric}_lo"].to_numpy(float), rows[f"{metric}_hi"].to_numpy(float)
@@ -305,8 +328,8 @@ def _sweep_lines(ax, table: pd.DataFrame, x: str, metric: str, series: str, *, y
         # two-seed t-intervals reach far outside it and would only stretch the axis.
         lo, hi = (positive_floor(lo, mean) if log_y else np.maximum(lo, 0.0)), np.minimum(hi, 1.0)
         err = np.abs(np.nan_to_num(np.stack([lo, hi]) - mean[None, :]))
-        ax.errorbar(rows[x].to_numpy(float), mean, yerr=err, marker="o", capsize=2, color=arm_color(name),
-                    label=arm_label(name))
+        ax.errorbar(rows[x].to_numpy(float), mean, yerr=err, marker="o", capsize=2, color=arm_color(name, traits),
+                    label=arm_label(name, traits))
     ax.set(xscale="log", xlabel=SWEEP_X_LABELS.get(x, f"{x} (log)"), ylabel=ylabel)
     if log_y:
         ax.set_yscale("log")
@@ -323,7 +346,7 @@ def clip_sweep(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, x: str = "rl.cli
     panels = [p for p in panels if table[p[0]].notna().any()]
     fig, axes = new_figure(len(panels))
     for ax, (metric, ylabel, title, log_y) in zip(axes[0], panels):
-        _sweep_lines(ax, table, x, metric, series, ylabel=ylabel, log_y=log_y)
+        _sweep_lines(ax, table, x, metric, series, traits_of(metrics_df), ylabel=ylabel, log_y=log_y)
         ax.set_title(title)
     figure_legend(fig, axes[0, 0])
     fig.suptitle("Clip-range sweep (mean, 95% interval over seeds)")
@@ -345,14 +368,16 @@ def volatility_sweep(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, x: str = "
     table = sweep_table(metrics_df, eval_df, x, series)
     fig, axes = new_figure(3)
     ylabel = CHANGE + (" (latent)" if change.endswith("latent") else "")
-    _sweep_lines(axes[0, 0], table, x, change, series, ylabel=ylabel)
-    _sweep_lines(axes[0, 1], table, x, "reward/mean", series, ylabel="mean reward per response")
+    traits = traits_of(metrics_df)
+    _sweep_lines(axes[0, 0], table, x, change, series, traits, ylabel=ylabel)
+    _sweep_lines(axes[0, 1], table, x, "reward/mean", series, traits, ylabel="mean reward per response")
     axes[0, 0].set_title("routing volatility, last 25% of steps")
     axes[0, 1].set_title("training reward, last 25% of steps")
     ax = axes[0, 2]
-    for name in arm_order(table[series].astype(str).unique()):
+    for name in arm_order(table[series].astype(str).unique(), traits):
         rows = table[table[series] == name]
-        ax.plot(rows[change], rows["reward/mean"], marker="o", color=arm_color(name), label=arm_label(name))
+        ax.plot(rows[change], rows["reward/mean"], marker="o", color=arm_color(name, traits),
+                label=arm_label(name, traits))
         for cx, cy, mult in zip(rows[change], rows["reward/mean"], rows[x]):
             ax.annotate(f"x{mult:g}", (cx, cy), textcoords="offset points", xytext=(3, 3), fontsize=7)
     ax.set(xlabel=ylabel, ylabel="mean reward per response", title="reward vs volatility (labels: lr multiplier)")

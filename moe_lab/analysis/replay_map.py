@@ -12,13 +12,28 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from moe_lab.analysis import arm_traits
 from moe_lab.analysis.stats import mean_ci, welch_diff_ci
 from moe_lab.analysis.tables import check_columns
 from moe_lab.analysis.stability import with_labels
 
 SHARE = "ratio/routing_share"
-REFERENCE = "grpo"  # the arm every gap is measured against: GRPO without replay
-TREATMENTS = ("grpo_r2", "grpo_r3", "gspo", "gspo_token")
+
+
+def reference_arm(metrics_df: pd.DataFrame) -> str | None:
+    """The base arm every gap is measured against: GRPO without replay, by its config (arm_traits.is_baseline)."""
+    return arm_traits.base_arm_where(metrics_df, arm_traits.is_baseline)
+
+
+def is_treatment(t: arm_traits.ArmTraits) -> bool:
+    """What the map places against the reference: the baseline objective with replay, or GSPO's family."""
+    return arm_traits.is_replay_of_baseline(t) or arm_traits.is_sequence_ratio_clip(t)
+
+
+def treatment_arms(metrics_df: pd.DataFrame) -> list[str]:
+    """The frame's treatment base arms (is_treatment), in the tables' order."""
+    arms = metrics_df["arm"].dropna().map(arm_traits.base_arm).unique() if "arm" in metrics_df else []
+    return arm_traits.arms_where(arms, arm_traits.traits_of(metrics_df), is_treatment)
 
 
 def _per_run(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -31,25 +46,28 @@ def _per_run(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, keys: list[str]) -
     return pd.concat([share, acc], axis=1).reset_index()
 
 
-def replay_map_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = REFERENCE,
-                     treatments: Sequence[str] = TREATMENTS) -> pd.DataFrame:
+def replay_map_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str | None = None,
+                     treatments: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per (setting, treatment arm present): factor, level (both None outside a factors design),
     share (mean over the reference arm's runs of their mean ratio/routing_share) with share_lo/share_hi (95%
     t-interval over seeds), gap = mean final greedy accuracy of the treatment minus the reference's, with
     gap_lo/gap_hi (Welch 95%), acc_ref, acc_treat, n_ref, n_treat. A factors design's shared base cells
-    ('<arm>__base') are one setting of their own (factor 'base'): each setting appears once on the map."""
+    ('<arm>__base') are one setting of their own (factor 'base'): each setting appears once on the map.
+    Default reference and treatments: by the arms' config (reference_arm, treatment_arms)."""
     check_columns(metrics_df, ["arm", "seed", "step"], "metrics_df")
+    ref_arm = reference_arm(metrics_df) if reference is None else reference
+    treated = treatment_arms(metrics_df) if treatments is None else list(treatments)
     check_columns(eval_df, ["arm", "seed", "step", "eval/acc_greedy"], "eval_df")
     m, e = (with_labels(f) for f in (metrics_df, eval_df))
     m, e = (f.assign(factor=f["factor"].fillna("-"), level=f["level"].fillna("-")) for f in (m, e))
     runs = _per_run(m, e, ["factor", "level", "arm_base"])
     rows = []
     for (factor, level), cell in runs.groupby(["factor", "level"], sort=False):
-        ref = cell[cell["arm_base"] == reference]
+        ref = cell[cell["arm_base"] == ref_arm]
         if not len(ref):
             continue
         share, share_lo, share_hi = mean_ci(ref["share"])
-        for arm in (t for t in treatments if t in set(cell["arm_base"])):
+        for arm in (t for t in treated if t in set(cell["arm_base"])):
             treat = cell[cell["arm_base"] == arm]
             gap, lo, hi = welch_diff_ci(treat["acc"], ref["acc"])
             rows.append({"factor": None if factor == "-" else factor, "level": None if level == "-" else level,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moe_lab.analysis.arm_traits import traits_of
 from moe_lab.analysis.plots import STEP, arm_order, curves, figure_legend, new_figure, styled
 from moe_lab.launch.design import Describe
 
@@ -32,7 +33,7 @@ def contrast_dots(tables: dict[str, pd.DataFrame]) -> Figure:
 def describe_curves(metrics: pd.DataFrame, spec: Describe) -> Figure:
     """Each declared metric per arm against the RL step (mean over runs, 95% t band)."""
     present = [m for m in spec.metrics if m in metrics]
-    arms = arm_order(metrics["arm"].unique())
+    arms = arm_order(metrics["arm"].unique(), traits_of(metrics))
     fig, axes = new_figure(min(3, len(present)), -(-len(present) // 3), width=4.4, height=3.2)
     for ax, metric in zip(axes.flat, present):
         curves(ax, metrics, metric, arms, ylabel=metric, title=metric)

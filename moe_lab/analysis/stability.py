@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from moe_lab.analysis import arm_traits
 from moe_lab.analysis.stats import group_ci, kaplan_meier, wilson_interval
 from moe_lab.analysis.tables import arm_factor_level, base_arm, check_columns, final_values, last_frac_means, run_keys
 
@@ -74,8 +75,6 @@ def survival_table(metrics_df: pd.DataFrame, by: Sequence[str] = ("arm",)) -> pd
 
 # --------------------------------------------------------------------------- stability atlas
 
-ATLAS_REFERENCE = "grpo_r2"
-
 
 def _is_number(text: str) -> bool:
     try:
@@ -115,7 +114,12 @@ def design_levels(design: dict) -> dict[str, list[str]]:
     return {factor: [label for label, _ in levels] for factor, levels in factor_levels(design).items()}
 
 
-def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = ATLAS_REFERENCE,
+def atlas_reference(metrics_df: pd.DataFrame) -> str | None:
+    """The base arm the atlas's accuracy gap is taken to: GRPO + R2 by its config (arm_traits.is_atlas_reference)."""
+    return arm_traits.base_arm_where(metrics_df, arm_traits.is_atlas_reference)
+
+
+def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str | None = None,
                 last_frac: float = 0.25, levels: dict[str, Sequence] | None = None,
                 design: dict | None = None) -> pd.DataFrame:
     """The stability atlas: one row per (factor, level, arm_base) of a one-factor-at-a-time experiment
@@ -126,12 +130,13 @@ def atlas_table(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: s
       ``last_frac`` of the run's updates;
     - ratio_var_p99: the 99th percentile (linear interpolation) of the run's minibatch ratio/token_var;
     - acc_greedy: the final greedy accuracy; acc_gap: acc_greedy minus the ``reference`` arm's at the same
-      factor and level (NaN where that cell is missing).
+      factor and level (NaN where that cell is missing; default reference: atlas_reference).
     Also runs and level_index (the level's position in its factor: ``levels[factor]`` if given, else
     level_order). Rows without a factor label are left out. ``design``: the experiment (its ``factors``
     block), whose shared base cells then join every factor at its base level, in the file's level order.
     """
     check_columns(metrics_df, ["arm", "step", "ratio/token_var", "routing/expert_change"], "metrics_df")
+    reference = atlas_reference(metrics_df) if reference is None else reference
     if len(eval_df):
         check_columns(eval_df, ["arm", "step", "eval/acc_greedy"], "eval_df")
     frames = [with_labels(f) for f in (metrics_df, eval_df)]

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from moe_lab.analysis import stability
+from moe_lab.analysis.arm_traits import traits_of
 from moe_lab.analysis.plots import (STEP, arm_color, arm_label, arm_linestyle, arm_order, arms_to_draw, curves,
                                     figure_legend, new_figure, positive_floor, styled)
 
@@ -25,7 +26,7 @@ H2H_PANELS = (("acc_greedy", "final greedy accuracy", False),
               ("clip_active", "clipped (zeroed) token share\n(last 25%, log)", True))
 
 
-def _bars(ax, table: pd.DataFrame, arms: Sequence[str], col: str, label: str, log: bool) -> None:
+def _bars(ax, table: pd.DataFrame, arms: Sequence[str], col: str, label: str, log: bool, traits) -> None:
     rows = table.set_index("arm").reindex(list(arms))
     mean, lo, hi = (rows[c].to_numpy(float) for c in (col, f"{col}_lo", f"{col}_hi"))
     if log:
@@ -33,8 +34,8 @@ def _bars(ax, table: pd.DataFrame, arms: Sequence[str], col: str, label: str, lo
     err = np.abs(np.nan_to_num(np.stack([np.where(np.isnan(lo), mean, lo), np.where(np.isnan(hi), mean, hi)])
                                - mean[None, :]))
     y = np.arange(len(arms))
-    ax.barh(y, np.nan_to_num(mean), xerr=err, capsize=2, color=[arm_color(a) for a in arms])
-    ax.set_yticks(y, [arm_label(a) for a in arms])
+    ax.barh(y, np.nan_to_num(mean), xerr=err, capsize=2, color=[arm_color(a, traits) for a in arms])
+    ax.set_yticks(y, [arm_label(a, traits) for a in arms])
     ax.invert_yaxis()
     ax.set(xlabel=label)
     if log and np.nanmax(np.nan_to_num(mean)) > 0:
@@ -51,9 +52,9 @@ def head_to_head(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, arms: Sequence
                                 eval_df[eval_df["arm"].isin(arms)] if len(eval_df) else eval_df)
     fig, axes = new_figure(4, 2, width=4.2, height=3.4)
     curves(axes[0, 0], metrics_df, "reward/mean", arms, ylabel="mean reward per response", title="training reward")
-    panels = [ax for ax in axes.flat][1:]
+    panels, traits = [ax for ax in axes.flat][1:], traits_of(metrics_df)
     for ax, (col, label, log) in zip(panels, H2H_PANELS):
-        _bars(ax, table, arms, col, label, log)
+        _bars(ax, table, arms, col, label, log, traits)
     for ax in panels[len(H2H_PANELS):]:
         ax.set_visible(False)
     figure_legend(fig, axes[0, 0])
@@ -83,10 +84,11 @@ def survival(metrics_df: pd.DataFrame, arms: Sequence[str] | None = None) -> Fig
     table = stability.survival_table(metrics_df[metrics_df["arm"].isin(arms)])
     fig, axes = new_figure(1, width=5.0)
     ax = axes[0, 0]
+    traits = traits_of(metrics_df)
     for arm in arms:
         rows = table[table["arm"] == arm]
-        ax.step(rows["step"], rows["survival"], where="post", color=arm_color(arm),
-                linestyle=arm_linestyle(arm, arms), label=arm_label(arm))
+        ax.step(rows["step"], rows["survival"], where="post", color=arm_color(arm, traits),
+                linestyle=arm_linestyle(arm, arms, traits), label=arm_label(arm, traits))
     ax.set(xlabel=STEP, ylabel="share of runs not yet collapsed", ylim=(-0.03, 1.05),
            title="survival (censored at each run's last step)")
     figure_legend(fig, ax)
@@ -103,14 +105,15 @@ ATLAS_WRAP = 6
 ATLAS_TICK_CHARS = 24  # total characters of a panel's level names beyond which they are slanted
 
 
-def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str, first: bool) -> None:
+def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str | None, first: bool, traits) -> None:
     """One factor's three panels (ATLAS_ROWS), top to bottom."""
     ticks = sub.drop_duplicates("level_index").sort_values("level_index")
     for i, (col, ylabel, log) in enumerate(ATLAS_ROWS):
         ax = axes[i]
-        for arm in arm_order(sub["arm_base"].astype(str).unique()):
+        for arm in arm_order(sub["arm_base"].astype(str).unique(), traits):
             rows = sub[sub["arm_base"] == arm].sort_values("level_index")
-            ax.plot(rows["level_index"], rows[col], marker="o", color=arm_color(arm), label=arm_label(arm))
+            ax.plot(rows["level_index"], rows[col], marker="o", color=arm_color(arm, traits),
+                    label=arm_label(arm, traits))
         labels = ticks["level"].astype(str).tolist()
         # long level names (the combinations) would overlap side by side in a panel ~1.5 inches wide
         slanted = sum(map(len, labels)) > ATLAS_TICK_CHARS
@@ -126,16 +129,18 @@ def _atlas_column(axes, sub: pd.DataFrame, factor: str, reference: str, first: b
         if i == len(ATLAS_ROWS) - 1:
             ax.set_xlabel("level")
         if first:
-            ax.set_ylabel(ylabel.format(ref=arm_label(reference)))
+            ax.set_ylabel(ylabel.format(ref=arm_label(reference, traits) if reference else "no reference"))
 
 
 @styled
-def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = stability.ATLAS_REFERENCE,
+def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str | None = None,
           levels: dict[str, Sequence] | None = None, design: dict | None = None) -> Figure:
     """The stability atlas (stability.atlas_table): one column per factor (wrapped every ATLAS_WRAP factors
     into another block of rows), rows = expert change per update,
     p99 of minibatch token-ratio variance, and the final greedy-accuracy gap to the reference arm at the same
-    level; x = the factor's levels (categorical, in level order), one line per base arm."""
+    level (default: stability.atlas_reference); x = the factor's levels (categorical, in level order), one line
+    per base arm."""
+    reference = stability.atlas_reference(metrics_df) if reference is None else reference
     table = stability.atlas_table(metrics_df, eval_df, reference=reference, levels=levels, design=design)
     factors = list(dict.fromkeys(table["factor"]))
     if not factors:
@@ -144,10 +149,11 @@ def atlas(metrics_df: pd.DataFrame, eval_df: pd.DataFrame, *, reference: str = s
     ncols = min(len(factors), ATLAS_WRAP)
     blocks = -(-len(factors) // ncols)
     fig, axes = new_figure(ncols, len(ATLAS_ROWS) * blocks, width=2.8, height=2.3)
+    traits = traits_of(metrics_df)
     for j, factor in enumerate(factors):
         block, c = divmod(j, ncols)
         _atlas_column(axes[block * len(ATLAS_ROWS):(block + 1) * len(ATLAS_ROWS), c],
-                      table[table["factor"] == factor], factor, reference, first=c == 0)
+                      table[table["factor"] == factor], factor, reference, c == 0, traits)
     for ax in axes.flat:
         if not ax.has_data():
             ax.set_visible(False)

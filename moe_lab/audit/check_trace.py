@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from moe_lab.audit.trace_audit import check, check_inputs, report_lines  # torch-free at import
-from moe_lab.config.constants import ROLLOUT_CORRECTION_BOUNDS, SEQ_ERROR_THRESHOLD
+from moe_lab.config.constants import SEQ_ERROR_THRESHOLD, TIS_THRESHOLD
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -46,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model dtype (default auto: the checkpoint's own, config.json's dtype)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the whole report (agreement, faults, lines, the mismatch report) as JSON to PATH")
-    p.add_argument("--tis-threshold", type=float, default=ROLLOUT_CORRECTION_BOUNDS["tis_token"][1], metavar="C",
+    p.add_argument("--tis-threshold", type=float, default=TIS_THRESHOLD, metavar="C",
                    help="the mismatch report's TIS threshold (verl's rollout_is_threshold; masking outside [1/C, C]; "
                         "default %(default)s)")
     p.add_argument("--seq-error-threshold", type=float, default=SEQ_ERROR_THRESHOLD, metavar="X",

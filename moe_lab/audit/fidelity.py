@@ -23,13 +23,16 @@ import sys
 import time
 from pathlib import Path
 
+from moe_lab.config.constants import BASELINE_ALGO
+
 TAKES_OVERRIDES = True
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("fidelity", help="moe_lab's rollout/trainer mismatch, routing and update figures against the "
                                         "published ones (R3 paper, prime-rl, GSPO), one table with bands")
-    p.add_argument("source", metavar="RUN_OR_CONFIG", help="run folder, experiment file or config YAML")
+    p.add_argument("source", metavar="RUN_OR_CONFIG", help="run folder, experiment folder (its finished runs' "
+                                                           "metrics, per arm), experiment file or config YAML")
     p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="override any config field, e.g. model.top_k=4")
     p.add_argument("--prompts", type=int, default=32, help="prompts of the mismatch rows (default 32: two rollout "
                                                            "batches of the default config, seconds per batch)")
@@ -57,7 +60,7 @@ def check(args):
     return source, dense
 
 
-def measure(source, dense_cfg, prompts: int, update_steps: int) -> tuple[list, dict]:
+def measure(source, dense_cfg, prompts: int, update_steps: int, run_dir: Path | None = None) -> tuple[list, dict]:
     """(rows, timings in seconds) of one source; timings: mismatch, dense, updates, and step_s (GRPO's mean)."""
     from moe_lab.audit import fidelity_run, fidelity_runs, fidelity_table
 
@@ -79,15 +82,16 @@ def measure(source, dense_cfg, prompts: int, update_steps: int) -> tuple[list, d
     rows = fidelity_table.mismatch_rows(samples, dense, bf16)
     if update_steps:
         t0 = time.perf_counter()
-        grpo = fidelity_run.update_samples(policy, task, source.cfg, "grpo", update_steps)
-        gspo = fidelity_run.update_samples(policy, task, source.cfg, "gspo", update_steps)
-        grpo_r2 = fidelity_run.update_samples(policy, task, source.cfg, "grpo", update_steps, replay="old")
+        grpo = fidelity_run.update_samples(policy, task, source.cfg, BASELINE_ALGO, update_steps)
+        gspo = fidelity_run.update_samples(policy, task, source.cfg, fidelity_runs.GSPO_ALGO, update_steps)
+        grpo_r2 = fidelity_run.update_samples(policy, task, source.cfg, BASELINE_ALGO, update_steps,
+                                              replay=fidelity_runs.R2_REPLAY)
         times["updates_s"] = time.perf_counter() - t0
         steps = {r["step"]: r["perf/step_s"] for r in grpo}
         times["step_s"] = sum(steps.values()) / len(steps)
         rows += fidelity_table.update_rows(grpo, gspo, grpo_r2, source.cfg.rl.grad_clip)
-    if source.checkpoint is not None and fidelity_runs.with_metrics(source.checkpoint.parent):
-        rows += fidelity_runs.measure(source.checkpoint.parent)[0]  # a finished run: its own rows too
+    if run_dir is not None and fidelity_runs.with_metrics(run_dir):
+        rows += fidelity_runs.measure(run_dir)[0]  # a finished run: its own rows too
     return rows, times
 
 
@@ -106,7 +110,8 @@ def main(args) -> int:
         print(json.dumps({"source": label, "rows": as_json(rows)}, indent=1) if args.json else
               f"fidelity of {label}: the runs' own metrics\n{fidelity_table.format_table(rows)}")
         return 0
-    rows, times = measure(source, dense, args.prompts, args.update_steps)
+    run_dir = Path(args.source).expanduser()
+    rows, times = measure(source, dense, args.prompts, args.update_steps, run_dir if run_dir.is_dir() else None)
     if args.json:
         from moe_lab.rl.coldstart import recorded
 

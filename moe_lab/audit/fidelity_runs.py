@@ -21,8 +21,16 @@ from moe_lab.analysis import run_fidelity as rf
 from moe_lab.analysis.stats import mean_ci
 from moe_lab.analysis.tables import find_run_dirs, load_runs
 from moe_lab.audit import fidelity_table as ft
+from moe_lab.config.constants import BASELINE_ALGO, NO_CORRECTION, NO_REPLAY
+from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS
+from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 from moe_lab.store.layout import CONFIG_FILE
 from moe_lab.store.status import FINISHED
+
+# The GSPO paper's comparison, by the tables' traits: the baseline objective (GRPO) with free routing and with the
+# old policy's routing replayed (R2), against the first PPO-clip objective on a sequence ratio (GSPO).
+GSPO_ALGO = next(name for name, spec in OBJECTIVE_SPECS.items() if spec.ppo_clip and not spec.token_clip)
+R2_REPLAY = next(name for name, spec in REPLAY_SPECS.items() if spec.forces == OLD_FORWARD)
 
 
 def finished(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, int]:
@@ -56,16 +64,16 @@ def _arm_rows(runs: pd.DataFrame, arm: str) -> list[ft.Row]:
 
 def _baseline(runs: pd.DataFrame, gspo: pd.Series, replay: str) -> str | None:
     """The GRPO arm (``replay``, no correction) with the GSPO arm's number of mini-batches."""
-    match = runs[(runs["algo"] == "grpo") & (runs["replay"] == replay) & (runs["correction"] == "none")
+    match = runs[(runs["algo"] == BASELINE_ALGO) & (runs["replay"] == replay) & (runs["correction"] == NO_CORRECTION)
                  & (runs["minibatches"] == gspo["minibatches"])]
     return match["arm"].iloc[0] if len(match) else None
 
 
 def _ratio_rows(runs: pd.DataFrame) -> list[ft.Row]:
     out = []
-    gspos = runs[(runs["algo"] == "gspo") & (runs["replay"] == "none")].drop_duplicates("arm")
+    gspos = runs[(runs["algo"] == GSPO_ALGO) & (runs["replay"] == NO_REPLAY)].drop_duplicates("arm")
     for _, gspo in gspos.iterrows():
-        for replay, mode in ((True, "old"), (False, "none")):
+        for replay, mode in ((True, R2_REPLAY), (False, NO_REPLAY)):
             base = _baseline(runs, gspo, mode)
             if base is None:
                 continue

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_lab.algos import mismatch_metrics as mm
-from moe_lab.algos.rollout_correction import DEFAULT_BOUNDS
+from moe_lab.config.constants import TIS_THRESHOLD
 from moe_lab.formats.logprobs import FIELDS
 
 Tensor = torch.Tensor
@@ -23,7 +23,6 @@ PASSES = ("free", "replayed")
 # Below this k3 (|d| ~ 1.4e-3 rms: float32 against float64 log-softmax, never a bf16 engine) neither source is
 # worth naming: the verdict is "none".
 NEGLIGIBLE_K3 = 1e-6
-TIS_THRESHOLD = DEFAULT_BOUNDS["tis_token"][1]  # verl's rollout_is_threshold default, 2.0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from moe_lab.algos.ratio_metrics import masked_var, ratio_decomposition
-from moe_lab.config.constants import PAPER_CLIP
+from moe_lab.config.constants import BASELINE_ALGO, PAPER_CLIP
 from moe_lab.models import checkpoint_dtype, load_model, moe_layers, resolve_device
 from moe_lab.rl.rollout import GroupSampler, forward_logits, token_logprobs
 from moe_lab.routing import Trace, record, replay, router_logp_probe, router_shift, routing_metrics
@@ -152,7 +152,7 @@ def _combine(parts: list[dict], layer_idx: list[int]) -> tuple[list[dict], dict]
                       router_shift=means.get(f"{l}/router_shift", float("nan"))) for l, idx in enumerate(layer_idx)]
     new_N, ref_N, old_N = (torch.cat([p["logp"][i] for p in parts])[None] for i in range(3))
     ones_N = torch.ones_like(new_N, dtype=torch.bool)
-    decomp = ratio_decomposition(new_N, ref_N, old_N, ones_N, *PAPER_CLIP["grpo"])
+    decomp = ratio_decomposition(new_N, ref_N, old_N, ones_N, *PAPER_CLIP[BASELINE_ALGO])
     summary = dict(response_tokens=acc.tokens, expert_change=means.get("expert_change", float("nan")),
                    any_change=means.get("any_change", float("nan")),
                    router_shift=means.get("router_shift", float("nan")),

@@ -14,7 +14,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                       "the router controls")
     p.add_argument("results", nargs="+", help="experiment results folders (each read with its own endpoints:)")
     p.add_argument("--out", required=True, help="figure file to write (.png, .pdf or .svg)")
-    p.add_argument("--baseline", default="grpo", metavar="ARM", help="each arm against this one (default: grpo)")
+    p.add_argument("--baseline", default=None, metavar="ARM",
+                   help="each arm against this one (default: the arm whose config is GRPO alone, if any)")
     p.add_argument("--arms", default=None, help="comma-separated: only these arms' rows (default: every arm)")
     p.add_argument("--endpoint", default="primary", choices=("primary", "secondary"),
                    help="which fixed endpoint to draw (default: primary)")
@@ -35,8 +36,8 @@ def main(args) -> int:
     except ValueError:
         if arms is None:
             raise
-        raise ValueError(f"--arms={args.arms}: no finished runs of these arms beside --baseline={args.baseline} "
-                         "in these folders") from None
+        raise ValueError(f"--arms={args.arms}: no finished runs of these arms beside --baseline="
+                         f"{args.baseline or 'the baseline'} in these folders") from None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=100, bbox_inches="tight")
     print(f"wrote {args.out}")

@@ -9,7 +9,7 @@ in moe_lab/config/mode_specs.py.
 
 from __future__ import annotations
 
-from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
+from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS, TOKEN, TRUNCATE
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 
 # Policy objectives: derived from their one declaration, the rows of moe_lab/config/objective_specs.py (traits
@@ -21,19 +21,28 @@ PPO_CLIP_ALGOS = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.pp
 CLIP_LOW_UNBOUNDED = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.clip_low_unbounded)
 TOKEN_CLIP_ALGOS = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.token_clip)
 PAPER_CLIP = {name: spec.paper_clip for name, spec in OBJECTIVE_SPECS.items()}
+# The table's first row (GRPO): the baseline the papers measure the modes and the other objectives against (arm
+# preset colours, the analysis's reference arms) and whose paper range the clip metrics of objectives without
+# a token-ratio clip use.
+BASELINE_ALGO = ALGOS[0]
 
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 WHITEN_MODES = ("group", "batch")
 REPLAY_MODES = tuple(REPLAY_SPECS)  # rows and traits: moe_lab/config/mode_specs.py
+NO_REPLAY = next(name for name, spec in REPLAY_SPECS.items() if not spec.replays)  # free routing
 OLD_LOGP_SOURCES = ("old_forward", "rollout")
 ROLLOUT_SEEDINGS = ("per_group", "sequential")
 
 # Rollout correction (moe_lab/algos/rollout_correction.py): the modes, and (lower, upper) when the config leaves them
 # None; rows, traits and the bounds' sources: moe_lab/config/mode_specs.py.
 ROLLOUT_CORRECTION_MODES = tuple(ROLLOUT_CORRECTION_SPECS)
+NO_CORRECTION = next(name for name, spec in ROLLOUT_CORRECTION_SPECS.items() if not spec.active)  # weights 1
 ROLLOUT_CORRECTION_BOUNDS = {name: spec.bounds for name, spec in ROLLOUT_CORRECTION_SPECS.items()}
+# check-trace's TIS threshold: the upper bound of the token-level truncation row (TIS; verl's rollout_is_threshold 2.0)
+TIS_THRESHOLD = next(spec.upper for spec in ROLLOUT_CORRECTION_SPECS.values()
+                     if (spec.level, spec.action) == (TOKEN, TRUNCATE))
 # check-trace's outlier threshold of NeMo-RL's seq_mult_prob_error: NeMo-RL's grpo.seq_logprob_error_threshold has no
 # default (None: metrics only); 1.5 is the example its config's comment gives
 SEQ_ERROR_THRESHOLD = 1.5

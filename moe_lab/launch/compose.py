@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from moe_lab.config.constants import BASELINE_ALGO
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.mode_specs import REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS
@@ -65,26 +66,37 @@ def _mix(colors: list[str]) -> str:
 
 def preset_color(algo: str, replay: str, correction: str) -> str | None:
     """A preset's colour from the three tables: the objective's own without a mode; with modes, their hue (mixed
-    when there are two). The papers compare the modes on GRPO (the objective table's first row), so its presets
-    show the mode's hue as it is and another objective's is mixed half with the objective's colour."""
+    when there are two). The papers compare the modes on GRPO (the baseline, the objective table's first row), so
+    its presets show the mode's hue as it is and another objective's is mixed half with the objective's colour."""
     obj = OBJECTIVE_SPECS[algo]
     modes = [c for c in (REPLAY_SPECS[replay].color, ROLLOUT_CORRECTION_SPECS[correction].color) if c]
     if obj.color is None or not modes:
         return obj.color
     hue = _mix(modes)
-    return hue if algo == next(iter(OBJECTIVE_SPECS)) else _mix([hue, obj.color])
+    return hue if algo == BASELINE_ALGO else _mix([hue, obj.color])
+
+
+def preset_name(algo: str, replay: str, correction: str) -> str:
+    """The preset of an objective, replay and correction: 'grpo_r3' (module docstring)."""
+    return algo + _suffix(REPLAY_SPECS[replay].label) + _suffix(ROLLOUT_CORRECTION_SPECS[correction].label)
+
+
+def preset_label(algo: str, replay: str, correction: str) -> str:
+    """Its label, from the tables' labels: 'GRPO + R3 replay', 'GSPO + TIS'."""
+    r, c = REPLAY_SPECS[replay].label, ROLLOUT_CORRECTION_SPECS[correction].label
+    return OBJECTIVE_SPECS[algo].label + (f" + {r} replay" if r else "") + (f" + {c}" if c else "")
 
 
 @functools.cache
 def arm_presets() -> dict[str, ArmPreset]:
     """Every preset name -> its preset (module docstring), derived from the three tables."""
     out = {}
-    for algo, obj in OBJECTIVE_SPECS.items():
-        for replay, r in REPLAY_SPECS.items():
-            for corr, c in ROLLOUT_CORRECTION_SPECS.items():
-                name = algo + _suffix(r.label) + _suffix(c.label)
-                label = obj.label + (f" + {r.label} replay" if r.label else "") + (f" + {c.label}" if c.label else "")
-                out[name] = ArmPreset(name, label, {"rl": {"algo": algo, "replay": replay, "rollout_correction": corr}},
+    for algo in OBJECTIVE_SPECS:
+        for replay in REPLAY_SPECS:
+            for corr in ROLLOUT_CORRECTION_SPECS:
+                name = preset_name(algo, replay, corr)
+                out[name] = ArmPreset(name, preset_label(algo, replay, corr),
+                                      {"rl": {"algo": algo, "replay": replay, "rollout_correction": corr}},
                                       preset_color(algo, replay, corr))
     return out
 

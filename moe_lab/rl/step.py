@@ -136,7 +136,7 @@ def router_grad_norm(policy) -> float:
 
 def _decomp_clip(rl) -> tuple[float, float]:
     """Clip range of ratio/route_clip_exit_frac: the run's for token-ratio clips, else GRPO's paper range."""
-    return resolved_clip(rl) if rl.algo in C.TOKEN_CLIP_ALGOS else C.PAPER_CLIP["grpo"]
+    return resolved_clip(rl) if rl.algo in C.TOKEN_CLIP_ALGOS else C.PAPER_CLIP[C.BASELINE_ALGO]
 
 
 def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | None, ref: Trace | None,
