@@ -59,7 +59,7 @@ class ObjectiveSpec:
     ppo_clip: a clipped surrogate on a token or sequence ratio; dual clip allowed; the algorithms the
       clipped-surrogate properties and the golden file hold for.
     clip_low_unbounded: clip_low may reach 1 and beyond (no ratio lower bound, a log-space clip, or a
-      divergence threshold).
+      divergence threshold): validation takes rl.clip_low's bounds from ``field_bounds``, not the field's.
     token_clip: the clip acts on the token ratio w_t, so ratio/route_clip_exit_frac uses the run's clip range
       (the others: GRPO's paper range).
     sequence_level: one ratio per sequence built as a geometric mean of token ratios (rollout-correction
