@@ -97,14 +97,15 @@ def experts_of(model):
     return next(m for name, m in model.named_modules() if name.endswith("mlp.experts"))
 
 
-@pytest.mark.parametrize("float8", [False, True])
-def test_fast_experts_row_bits_depend_on_the_experts_row_counts_only(float8):
+@pytest.mark.parametrize("float8, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_fast_experts_row_bits_depend_on_the_experts_row_counts_only(float8, dtype):
     """The fused experts at fixed routing (every expert's M_e fixed): tokens shuffled with their routes, or the
-    other tokens' hidden states replaced, leave a token's output bits as they were."""
-    model = FastNumerics(float8=float8).install(tiny(num_experts=8, top_k=3))
+    other tokens' hidden states replaced, leave a token's output bits as they were. A bf16 copy (moe-lab
+    fidelity's bf16 row) included: its K chunks of 36 are padded to 16 bytes for torch._grouped_mm."""
+    model = FastNumerics(float8=float8).install(tiny(num_experts=8, top_k=3, hidden_size=72).to(dtype))
     experts, gen = experts_of(model), torch.Generator().manual_seed(4)
-    N = 45
-    hidden = torch.randn(N, 64, generator=gen)
+    N = 46  # 2 K chunks of the 72-wide hidden state, 36 each
+    hidden = torch.randn(N, 72, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(N)])
     weights = torch.softmax(torch.randn(N, 3, generator=gen), -1)
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_fast_experts_row_bits_depend_on_the_experts_row_counts_only(float8):
         shuffled = torch.empty_like(ref)
         shuffled[perm] = experts(hidden[perm], ids[perm], weights[perm])
         other = hidden.clone()
-        other[N // 2:] = torch.randn(N - N // 2, 64, generator=gen) * 4
+        other[N // 2:] = torch.randn(N - N // 2, 72, generator=gen).to(dtype) * 4
         neighbours = experts(other, ids, weights)[:N // 2]
         again = experts(hidden, ids, weights)
     assert torch.equal(shuffled, ref) and torch.equal(neighbours, ref[:N // 2]) and torch.equal(again, ref)

@@ -153,9 +153,10 @@ def _row_padded(forward):
 
 
 def _pad_k(t: torch.Tensor) -> torch.Tensor:
-    """K (the last dim) zero-padded to a multiple of 4: torch._grouped_mm needs 16-byte strides. The padded terms
-    are exact zeros, so each sum keeps its value."""
-    return nn.functional.pad(t, (0, -t.shape[-1] % 4)) if t.shape[-1] % 4 else t
+    """K (the last dim) zero-padded to a multiple of 16 bytes (torch._grouped_mm needs 16-byte strides). The
+    padded terms are exact zeros, so each sum keeps its value."""
+    pad = -t.shape[-1] % (16 // t.element_size())
+    return nn.functional.pad(t, (0, pad)) if pad else t
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
