@@ -84,7 +84,8 @@ def test_an_arms_colour_label_and_order_come_from_its_config_not_its_name():
                           "rl.rollout_correction": ["none"] * 5,
                           "rl.replay_gate_weights": [False, True, False, False, False]})
     traits = traits_of(frame)
-    assert plots.arm_color("grpo_r3", traits) == color("gspo") and plots.arm_label("grpo_r3", traits) == "GSPO (grpo_r3)"
+    assert plots.arm_color("grpo_r3", traits) == color("gspo")
+    assert plots.arm_label("grpo_r3", traits) == "GSPO (grpo_r3)"
     assert plots.arm_label("mine", traits) == "GRPO + R2 replay + gate weights"
     assert plots.arm_color("mine", traits) not in (color("grpo_r2"), color("grpo"))
     assert plots.arm_color("free__arm=x", traits) == plots.arm_color("frozen__arm=x", traits) == color("grpo_r3")
@@ -138,7 +139,8 @@ def test_a_new_arms_colour_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = "from moe_lab.analysis import plots; print(plots.arm_color('my_new_arm', {}), plots.arm_color('another', {}))"
+    code = ("from moe_lab.analysis import plots; "
+            "print(plots.arm_color('my_new_arm', {}), plots.arm_color('another', {}))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert outs == {f"{plots.arm_color('my_new_arm', {})} {plots.arm_color('another', {})}\n"}

@@ -54,7 +54,8 @@ __all__ = ["ObjectiveInputs", "ObjectiveTerms", "Objective", "ObjectiveRegistry"
            "VESPO_SHAPE_DEFAULT"]
 
 
-_GRPO_METRIC_RANGE = PAPER_CLIP[BASELINE_ALGO]  # where an objective whose bounds are no ratio bounds reports clip_frac/*
+# where an objective whose bounds are no ratio bounds reports clip_frac/*
+_GRPO_METRIC_RANGE = PAPER_CLIP[BASELINE_ALGO]
 
 
 @dataclass(frozen=True)

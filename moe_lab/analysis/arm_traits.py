@@ -49,8 +49,8 @@ class ArmTraits:
     def order(self) -> tuple:
         """Arms without a correction or flag first (the paper's GRPO, + R2, + R3, GSPO, GSPO-token), each group in
         the tables' order: objective, then replay, then correction rows."""
-        return (self.corrected, self.flags, list(OBJECTIVE_SPECS).index(self.algo), list(REPLAY_SPECS).index(self.replay),
-                list(ROLLOUT_CORRECTION_SPECS).index(self.correction))
+        return (self.corrected, self.flags, list(OBJECTIVE_SPECS).index(self.algo),
+                list(REPLAY_SPECS).index(self.replay), list(ROLLOUT_CORRECTION_SPECS).index(self.correction))
 
     @property
     def replays(self) -> bool:

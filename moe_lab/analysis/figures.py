@@ -3,8 +3,8 @@
 File names are fixed (FIGURE_NAMES + format suffix) so that READMEs and notebooks can point at them. A figure
 whose columns are absent, or a sweep figure whose knob does not vary within an arm, is skipped, not drawn empty;
 the survival figure is drawn once some run collapsed, the atlas for a one-factor-at-a-time experiment (arms
-labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, GRPO + R2 by its config), the endpoints' learning
-curves once some arm has several seeds and their forest once some setting also has two arms.
+labelled '<arm>__<factor>=<level>' that include the atlas's reference arm, GRPO + R2 by its config), the
+endpoints' learning curves once some arm has several seeds and their forest once some setting also has two arms.
 """
 
 from __future__ import annotations

@@ -101,11 +101,6 @@ def arm_presets() -> dict[str, ArmPreset]:
     return out
 
 
-def arm_preset(arm_base: str) -> ArmPreset | None:
-    """The preset an arm base name is, None when it is no preset."""
-    return arm_presets().get(arm_base)
-
-
 def organism_names() -> list[str]:
     folder = resources.files(ORGANISMS).joinpath(ORGANISM_DIR)
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
