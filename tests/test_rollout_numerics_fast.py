@@ -165,3 +165,19 @@ def test_config_accepts_batch_variant_fast_and_the_rollout_copy_uses_it():
     assert experts.forward.__func__.__module__ == "moe_lab.models.numerics_fast"
     with pytest.raises(ConfigError, match="rollout_kernels=batch_variant_fast"):
         setup({"rollout_kernels": "batch_variant_fast"}, family="gpt_oss")
+
+
+def test_fast_experts_give_a_token_whose_slots_are_all_masked_exactly_zero():
+    """A masked slot (expert id < 0 or >= E, as a capacity limit writes it) reaches no expert: a token with only
+    masked slots gets exactly 0, and all slots masked gives zeros."""
+    experts = experts_of(FastNumerics(float8=True).install(tiny(num_experts=8, top_k=2)))
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(10, 64, generator=gen)
+    ids = torch.randint(0, 8, (10, 2), generator=gen)
+    ids[3] = torch.tensor([-1, 8])
+    weights = torch.full((10, 2), 0.5)
+    with torch.no_grad():
+        out = experts(hidden, ids, weights)
+        none = experts(hidden, torch.full_like(ids, -1), weights)
+    assert torch.equal(out[3], torch.zeros(64)) and out.abs().sum(-1).gt(0).sum() == 9
+    assert torch.equal(none, torch.zeros_like(hidden))

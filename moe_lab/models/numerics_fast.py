@@ -101,7 +101,7 @@ class FastNumerics(RolloutNumerics):
 
 class _Layout:
     """The routed slots in expert order, each expert's rows zero-padded to a multiple of ROW_TILE. ``src_P``: the
-    token each padded row takes (N, a zero row, for padding); ``pos_NK``: each (token, slot)'s padded row (the
+    token each padded row takes (``pad_P``: the padding rows); ``pos_NK``: each (token, slot)'s padded row (the
     last padded row + 1, a zero row, for a masked slot); ``ends_E``: each expert's end in the padded rows."""
 
     def __init__(self, top_k_index_NK: torch.Tensor, num_experts: int):
@@ -119,8 +119,19 @@ class _Layout:
         pos_R = (torch.cumsum(padded, 0) - padded)[key_R] + rank_R
         pos_R = torch.where(key_R < num_experts, pos_R, self.total)
         self.pos_NK = torch.empty_like(pos_R).index_copy_(0, order, pos_R)
-        self.src_P = torch.full((self.total + 1,), N, dtype=torch.long, device=flat.device).index_copy_(
+        src_P = torch.full((self.total + 1,), N, dtype=torch.long, device=flat.device).index_copy_(
             0, pos_R, order.div(K, rounding_mode="floor"))[:self.total]
+        self.pad_P = (src_P == N).nonzero().squeeze(1)
+        self.src_P = src_P.clamp_(max=N - 1)  # a padding row takes some token, then is zeroed (``gather``)
+        self.masked = bool(self.total in pos_R)
+
+    def gather(self, x_NH: torch.Tensor) -> torch.Tensor:
+        """The padded rows: each expert's tokens in order, zeros after them."""
+        return x_NH.index_select(0, self.src_P).index_fill_(0, self.pad_P, 0.0)
+
+    def scatter(self, y_PH: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot)'s row of y_PH [N * K, H]; a zero row for a masked slot."""
+        return (_with_zero_row(y_PH) if self.masked else y_PH).index_select(0, self.pos_NK)
 
 
 def _grouped_mm(x_PK: torch.Tensor, w_EKN: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
@@ -173,7 +184,7 @@ def _experts_forward(numerics: FastNumerics, cache: dict):
         if not layout.total:  # every slot masked
             return hidden_NH.new_zeros(hidden_NH.shape)
         x_NH = quant_act(hidden_NH) if numerics.float8 else hidden_NH
-        x_PH = _with_zero_row(x_NH).index_select(0, layout.src_P)
+        x_PH = layout.gather(x_NH)
         gate_up_P2I = numerics.write(numerics.grouped(x_PH, self.gate_up_proj, N, layout.ends_E, cache),
                                      hidden_NH.dtype)
         gate, up = gate_up_P2I.chunk(2, dim=-1)  # [P, I] views, rows 2I apart (module docstring)
@@ -181,7 +192,7 @@ def _experts_forward(numerics: FastNumerics, cache: dict):
         if numerics.float8:
             inter_PI = quant_act(inter_PI)
         y_PH = numerics.write(numerics.grouped(inter_PI, self.down_proj, N, layout.ends_E, cache), hidden_NH.dtype)
-        out_NKH = _with_zero_row(y_PH).index_select(0, layout.pos_NK).reshape(N, K, -1)
+        out_NKH = layout.scatter(y_PH).reshape(N, K, -1)
         out_NKH = out_NKH * top_k_weights_NK.unsqueeze(-1).to(out_NKH.dtype)
         first = N % K
         total = out_NKH[:, first]
