@@ -18,8 +18,8 @@ cost with the row kernel at torch.mm's speed, against bf16.
 
     python benchmarks/bench_rollout_numerics.py [--repeats 5] [--experiment routing_matters] [--trained]
 
---trained: the organism's cold-start weights (moe-lab's cache; warmed if missing) instead of random ones, so the
-experts get the rows a trained router sends them.
+--trained: the organism's cold-start weights (results/reference/<experiment>/coldstarts when it holds them, else
+moe-lab's cache, warmed if missing) instead of random ones, so the experts get the rows a trained router sends them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import dataclasses
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,6 +57,9 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = expand(builtin_experiment(args.experiment))[0].config
     if args.trained:
+        committed = Path(__file__).resolve().parents[1] / "results" / "reference" / args.experiment / "coldstarts"
+        if committed.is_dir():  # the experiment's committed cold starts, when its first cell's is among them
+            cfg = dataclasses.replace(cfg, coldstart=dataclasses.replace(cfg.coldstart, cache_dir=str(committed)))
         model_dir = cold_start(cfg)
         task = get_task(cfg.task, load_tokenizer(str(model_dir)))
         policy = load_model(model_dir, experts_impl=cfg.model.experts_impl).eval()
