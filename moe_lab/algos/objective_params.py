@@ -14,7 +14,8 @@ import numbers
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable
 
-from moe_lab.config.objective_specs import OBJECTIVE_SPECS, Knobs, ObjectiveSpec
+from moe_lab.config.objective_specs import (DPPO_KNOBS, OBJECTIVE_SPECS, RSPO_KNOBS, SAPO_KNOBS, VESPO_KNOBS, Knobs,
+                                           ObjectiveSpec)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,8 @@ def params_class(knobs: Knobs | None) -> type:
     return cls
 
 
-# The classes of the objectives' knob sets in the table's order (dppo_tv and dppo_kl share one), by name (type
-# annotations, pickling by reference).
-SapoParams, RspoParams, DppoParams, VespoParams = (params_class(k) for k in dict.fromkeys(
-    spec.knobs for spec in OBJECTIVE_SPECS.values() if spec.knobs is not None))
+# The classes of the objectives' knob sets, by name (type annotations, pickling by reference).
+SapoParams, RspoParams, DppoParams, VespoParams = map(params_class, (SAPO_KNOBS, RSPO_KNOBS, DPPO_KNOBS, VESPO_KNOBS))
 SAPO_TAU_POS_DEFAULT, SAPO_TAU_NEG_DEFAULT = SapoParams.tau_pos, SapoParams.tau_neg
 RSPO_FLOOR_DEFAULT = RspoParams.floor
 DPPO_RATIO_CAP_DEFAULT = DppoParams.ratio_cap

@@ -97,17 +97,31 @@ _PPO = dict(ppo_clip=True, clip_low_unbounded=False, sequence_level=False)
 _GSPO_CLIP = (3e-4, 4e-4)
 # GRPO's range, where an objective has no ratio clip of its own (SAPO, VESPO): clip_frac/* are measured on it.
 _GRPO_CLIP = (0.2, 0.27)
+# The knob sets of the objectives that have them, by name: algos.objective_params builds one frozen class from
+# each (SapoParams ...), which the objective functions annotate.
+SAPO_KNOBS = Knobs("sapo", (
+    Knob("tau_pos", 1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0),
+    Knob("tau_neg", 1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)",
+         gt=0.0)))
+RSPO_KNOBS = Knobs("rspo", (
+    Knob("floor", 0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma "
+                       "but gives no value we could read; 0.5 is ours)", gt=0.0, le=1.0),))
+VESPO_KNOBS = Knobs("vespo", (
+    Knob("k_pos", 2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0),
+    Knob("lambda_pos", 3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0),
+    Knob("k_neg", 3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0),
+    Knob("lambda_neg", 2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)))
 # DPPO truncates the (detached) ratio at this cap (verl's clip_ratio_c). The authors' run script sets 10000
 # ("disable dual-clip PPO and TIS for a fair comparison"); verl's code cites the paper's section 5.4 for
 # a large cap (truncation biases the gradient). The value, like CISPO's, is built on logp_new itself.
-_DPPO_KNOBS = Knobs("dppo", (
+DPPO_KNOBS = Knobs("dppo", (
     Knob("ratio_cap", 10000.0, "DPPO (dppo_tv, dppo_kl) truncation of the detached ratio (verl's clip_ratio_c; the "
                                "authors' 10000 = practically off); their clip_low/high are divergence thresholds",
          ge=1.0),))
 # DPPO (arXiv:2602.04879): clip_low/high are thresholds on the divergence estimate, not the ratio; TV 0.15 / 0.15
 # and binary KL 0.05 / 0.05, the values of the authors' run script (verl examples/dppo_trainer/
 # run_qwen30b_dppo.sh, Stable-RL); a TV threshold >= 1 or any KL one is simply never reached.
-_DPPO = dict(ppo_clip=False, clip_low_unbounded=True, token_clip=False, sequence_level=False, knobs=_DPPO_KNOBS)
+_DPPO = dict(ppo_clip=False, clip_low_unbounded=True, token_clip=False, sequence_level=False, knobs=DPPO_KNOBS)
 
 _ROWS = (
     ObjectiveSpec("grpo", "GRPO", _GRPO_CLIP, **_PPO, token_clip=True, color="#D55E00"),
@@ -116,10 +130,7 @@ _ROWS = (
     ObjectiveSpec("gspo_unnormalized", "GSPO (no 1/|y|)", _GSPO_CLIP, **_PPO, token_clip=False, color="#000000"),
     # SAPO paper defaults (arXiv:2511.20347): a slightly faster-decaying gate for negative advantages.
     ObjectiveSpec("sapo", "SAPO", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=True,
-                  sequence_level=False, knobs=Knobs("sapo", (
-                      Knob("tau_pos", 1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0),
-                      Knob("tau_neg", 1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)",
-                           gt=0.0))), color="#00704F"),
+                  sequence_level=False, knobs=SAPO_KNOBS, color="#00704F"),
     # CISPO: no lower bound on its IS weight (clip_low 1.0: ratio >= 0) and DAPO's 0.28 above, the paper
     # publishing none.
     ObjectiveSpec("cispo", "CISPO", (1.0, 0.28), ppo_clip=False, clip_low_unbounded=True, token_clip=True,
@@ -131,9 +142,7 @@ _ROWS = (
     # dropped; the paper states the floor but the sources reachable here do not give its value: 0.5 is
     # our choice (at most a factor 2 on any token's ratio, i.e. |log| <= ln 2, the "extreme" threshold).
     ObjectiveSpec("rspo", "RSPO", (0.4, 0.4), ppo_clip=False, clip_low_unbounded=True, token_clip=False,
-                  sequence_level=True, knobs=Knobs("rspo", (
-                      Knob("floor", 0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma "
-                                         "but gives no value we could read; 0.5 is ours)", gt=0.0, le=1.0),)), color="#5A2D7F"),
+                  sequence_level=True, knobs=RSPO_KNOBS, color="#5A2D7F"),
     ObjectiveSpec("dppo_tv", "DPPO-TV", (0.15, 0.15), **_DPPO, color="#F0E442"),
     ObjectiveSpec("dppo_kl", "DPPO-KL", (0.05, 0.05), **_DPPO, color="#A8A030"),
     # LUSPO (arXiv:2602.05261) is GSPO with a length factor: GSPO's range.
@@ -142,11 +151,7 @@ _ROWS = (
     # VESPO's kernel shape: TRL's GRPOConfig defaults (vespo_k_pos ...). k = 0 is allowed (no suppression of
     # small W); lambda = 0 would make phi grow without bound. No clip: GRPO's range for the metrics.
     ObjectiveSpec("vespo", "VESPO", _GRPO_CLIP, ppo_clip=False, clip_low_unbounded=False, token_clip=False,
-                  sequence_level=False, knobs=Knobs("vespo", (
-                      Knob("k_pos", 2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0),
-                      Knob("lambda_pos", 3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0),
-                      Knob("k_neg", 3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0),
-                      Knob("lambda_neg", 2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0))),
+                  sequence_level=False, knobs=VESPO_KNOBS,
                   color="#9E3D00"),
 )
 
