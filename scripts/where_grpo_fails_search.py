@@ -7,8 +7,9 @@ BASE is experiments/routing_matters.yaml (organism routing_matters: glm4_moe sig
 of width 16, top-8, float8 + batch-variant rollouts, fp32 training; sort of 16 digits, 17 response tokens).
 
 Each level runs, in this order:
-1. ``moe-lab fidelity BASE OVERRIDES --prompts 32 --update-steps 3 --no-dense --json`` on cold start 701 (the
-   file's first cell): router disagreement, k3 and routing's share, expert change after updates 1 and 3, the clip
+1. ``moe-lab fidelity BASE rl.minibatches=4 OVERRIDES --prompts 32 --update-steps 3 --no-dense --json`` on cold
+   start 701 (the file's first cell, at the pilot arm's 4 mini-batches unless the level sets them: the first cell
+   runs 1, where every update is on-policy and the update rows are empty): router disagreement, k3 and routing's share, expert change after updates 1 and 3, the clip
    ratio, the gradient rows of the first updates;
 2. the pilot: ``moe-lab run BASE --arms grpo_mb4 --seeds 7010,7020 rl.steps=150 rl.eval_every=10 OVERRIDES``
    (GRPO, no replay, no correction, 4 mini-batches unless the level sets them; cold starts 701 and 702, one RL seed
@@ -61,6 +62,7 @@ from pathlib import Path
 from search_levels import arguments, load, markdown, run_json, run_levels
 
 BASE = "experiments/routing_matters.yaml"
+FIDELITY_BASE = ["rl.minibatches=4"]  # the pilot arm's; a level's own rl.minibatches comes after it and wins
 FIDELITY_ARGS = ["--prompts", "32", "--update-steps", "3", "--no-dense", "--json"]
 PILOT_ARM = "grpo_mb4"
 PILOT_SEEDS = "7010,7020"  # cold starts 701 and 702 (the file's blocks), one RL seed each
@@ -116,7 +118,8 @@ def pilot(out: Path, name: str, overrides: list[str], seeds: str) -> dict:
 
 def run_level(out: Path, level: tuple, seed_override: tuple = ()) -> dict:
     factor, name, overrides = level
-    fidelity = run_json([sys.executable, "-m", "moe_lab.cli", "fidelity", BASE, *overrides, *seed_override[:1],
+    fidelity = run_json([sys.executable, "-m", "moe_lab.cli", "fidelity", BASE, *FIDELITY_BASE, *overrides,
+                         *seed_override[:1],
                          *FIDELITY_ARGS])
     seeds = seed_override[1] if seed_override else PILOT_SEEDS
     return {"factor": factor, "level": name, "overrides": overrides, "fidelity": fidelity,
