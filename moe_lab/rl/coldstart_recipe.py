@@ -138,6 +138,12 @@ def after_cold_starts(results: ResultsFolder, cfgs: list[RunConfig]) -> list[str
     notes = []
     for cfg in cfgs:
         key = cache_key(cfg)
+        if not (cache_root(cfg) / key / META_FILE).is_file():
+            # a backend whose nodes warm into a cache this machine does not see (or one that trains nothing):
+            # no weights here to write a recipe from or to compare
+            notes.append(f"moe-lab: note: cold start {key[:12]}: not in the cache {cache_root(cfg)} after the runs; "
+                         f"no recipe written or compared")
+            continue
         recipe = read_recipe(results, key)
         if recipe is None:
             write_recipe(results, cfg)
