@@ -18,6 +18,10 @@ Each level runs, in this order:
    curve over the last third of evaluations;
 3. collapses: the pilot runs whose manifest says collapsed (moe_lab's collapse rules), out of 2.
 
+In the table a row that both measure (router disagreement, expert change after update 1, the gradient rows) is
+the pilot's, over its 150 steps; the clip ratio, k3 and routing's share are the fidelity call's (the pilot runs
+GRPO alone).
+
 Fixed before any run:
 - the gradient-clip levels come from routing_matters' committed runs: the median ``optim/grad_norm`` of arm grpo_mb4
   over its 3,840 updates is 0.92 (the clip of 1.0 bound on 43% of them), so x3 = 2.76, x10 = 9.2, and off (0);
