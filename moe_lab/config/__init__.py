@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from moe_lab.config import constants as C
-from moe_lab.config import checks as config_checks
+import moe_lab.config.constants as C
+import moe_lab.config.checks as config_checks
 from moe_lab.config.fields import allowed, check_field, hints, param, walk
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS

@@ -4,7 +4,7 @@ here imports torch."""
 
 from __future__ import annotations
 
-from moe_lab.config import constants as C
+import moe_lab.config.constants as C
 from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT_CORRECTION_SPECS, names_where
 from moe_lab.config.errors import ConfigError
 

@@ -7,7 +7,7 @@ section. A new field goes into the section it belongs to; a new section is one c
 
 from __future__ import annotations
 
-from moe_lab.config import constants as C
+import moe_lab.config.constants as C
 from moe_lab.config.fields import param
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS, knob_fields
 from moe_lab.config.sections import flat, section

@@ -69,6 +69,6 @@ def manifest(rows: Iterable[Mapping], rl) -> dict:
 
 
 def recorded(manifest_: Mapping) -> list[str] | None:
-    """The alarm a manifest records (None: written before the field existed)."""
+    """The alarm a manifest records (None: a manifest without the field)."""
     value = manifest_.get(MANIFEST_KEY)
     return None if value is None else list(value)
