@@ -27,73 +27,55 @@ from moe_lab.config.yaml_io import apply_overrides, load_yaml, set_dotted  # noq
 
 @dataclass
 class ModelConfig:
-    family: str = param("qwen3_moe", "transformers MoE family of the policy (built with random init)",
-                        choices=C.FAMILIES)
-    checkpoint: str | None = param(None, "local checkpoint directory to load instead of building from this config "
-                                         "(offline: nothing is downloaded)")
-    num_layers: int = param(4, "decoder layers (all MoE)", ge=1, le=128)
+    family: str = param("qwen3_moe", "transformers MoE family (random weights)", choices=C.FAMILIES)
+    checkpoint: str | None = param(None, "local checkpoint to load (nothing is downloaded)")
+    num_layers: int = param(4, "decoder layers, all MoE", ge=1, le=128)
     hidden_size: int = param(128, "model width", ge=8)
-    num_heads: int = param(4, "attention heads; hidden_size must be divisible by it", ge=1)
-    num_kv_heads: int = param(2, "key/value heads (GQA); num_heads must be divisible by it", ge=1)
+    num_heads: int = param(4, "attention heads; must divide hidden_size", ge=1)
+    num_kv_heads: int = param(2, "key/value heads (GQA); must divide num_heads", ge=1)
     num_experts: int = param(8, "routed experts per MoE layer", ge=2, le=1024)
-    top_k: int = param(2, "experts activated per token. top_k=1: families that renormalise the chosen weights "
-                          "(qwen3_moe, mixtral, deepseek_v3, gpt_oss) give each token gate weight 1, so their router "
-                          "gets no gradient from the policy loss (only from aux_loss_coef); qwen2_moe and olmoe keep "
-                          "the softmax probability (Switch-style) and do", ge=1)
-    norm_topk_prob: bool | None = param(None, "renormalise the chosen experts' gate weights to sum to 1: None keeps "
-                                              "the family's own choice (qwen3_moe, deepseek_v3: True; qwen2_moe, olmoe: "
-                                              "False); False at top_k=1 makes the gate weight the router's probability "
-                                              "(Switch-style: the router learns from the policy loss). mixtral and "
-                                              "gpt_oss always renormalise: only None there", unhashed=None)
-    moe_intermediate_size: int = param(128, "hidden width of one routed expert", ge=1)
-    intermediate_size: int = param(256, "hidden width of dense/shared-expert MLPs where the family has them", ge=1)
-    shared_expert: bool = param(True, "keep the always-on shared expert of the families that have one (qwen2_moe, "
-                                      "deepseek_v3); False removes it (width 0: output exactly 0), so every token's MLP "
-                                      "output depends on its routing alone. The other families have none: there it "
-                                      "changes nothing", unhashed=True)
-    max_positions: int = param(256, "maximum sequence length (prompt + response)", ge=8)
-    experts_impl: str = param("grouped_mm", "routed experts' forward: grouped_mm, eager or fused (models/experts.py: "
-                                            "within 1e-6 of grouped_mm, not its bits; docs/guide.md says when)",
+    # top_k=1: where the chosen weights are renormalised (norm_topk_prob) each token's gate weight is 1, so the
+    # router gets no gradient from the policy loss (only from aux_loss_coef); Switch-style families keep the
+    # softmax probability and learn
+    top_k: int = param(2, "experts activated per token", ge=1)
+    norm_topk_prob: bool | None = param(None, "renormalise the chosen gate weights; None = the family's", unhashed=None)
+    moe_intermediate_size: int = param(128, "width of one routed expert", ge=1)
+    intermediate_size: int = param(256, "width of dense and shared-expert MLPs", ge=1)
+    # False: every token's MLP output depends on its routing alone
+    shared_expert: bool = param(True, "keep the family's shared expert, if any", unhashed=True)
+    max_positions: int = param(256, "maximum prompt + response length", ge=8)
+    experts_impl: str = param("grouped_mm", "routed experts' forward (docs/guide.md says which)",
                               choices=C.EXPERTS_KERNELS)
-    device: str = param("cpu", "where the policy runs: cpu, cuda, or auto (cuda when visible). Training is fp32 "
-                               "on either; the CUDA path passed scripts/gpu_check.sh's tests on one H200 (results/reference/gpu)",
-                        choices=C.DEVICES)
+    device: str = param("cpu", "where the policy runs (auto: cuda when visible)", choices=C.DEVICES)
     seed: int = param(0, "seed of the random initialisation", ge=0)
 
 
 @dataclass
 class TaskConfig:
-    name: str = param("sort", "task with a verifiable reward",
-                      choices=C.TASKS)
-    length: int = param(16, "problem size: digits to sort, string length to reverse, digits per addend, or "
-                            "letters of long_copy's block (its response writes the block 8 times)", ge=1, le=64)
-    partial_credit: bool = param(False, "reward = share of correct answer characters instead of exact match (0/1)")
-    eval_size: int = param(128, "held-out evaluation prompts (disjoint from training prompts)", ge=1)
-    mixture: list[str] = param([], "sub-tasks of task.name=mixture (>= 2, distinct, single tasks only): each prompt "
-                                   "starts with one tag token naming its task (moe_lab/tasks/mixture.py), the reward "
-                                   "is the sub-task's, task.length applies to each; empty for a single task",
+    name: str = param("sort", "task with a verifiable reward", choices=C.TASKS)
+    length: int = param(16, "problem size: digits or letters per problem", ge=1, le=64)
+    partial_credit: bool = param(False, "reward = share of correct characters")
+    eval_size: int = param(128, "held-out evaluation prompts", ge=1)
+    mixture: list[str] = param([], "sub-tasks of task.name=mixture (moe_lab/tasks/mixture.py)",
                                choices=C.SINGLE_TASKS, unhashed=[])
 
 
 @dataclass
 class ColdStartConfig:
-    target_accuracy: float = param(0.3, "stop supervised warm-up once sampled accuracy (T=1) reaches this, "
-                                        "so RL still has room to improve", ge=0.0, le=1.0)
+    # sampled accuracy (T=1), low so that RL still has room to improve
+    target_accuracy: float = param(0.3, "stop the warm-up at this sampled accuracy", ge=0.0, le=1.0)
     max_steps: int = param(3000, "upper bound on supervised steps", ge=0)
     batch_size: int = param(64, "demonstrations per supervised step", ge=1)
     lr: float = param(3e-3, "AdamW learning rate of the warm-up", gt=0.0)
-    eval_every: int = param(5, "supervised steps between accuracy checks (sampled accuracy jumps fast: a coarse "
-                                "check overshoots the target)", ge=1)
-    eval_samples: int = param(128, "prompts sampled for each accuracy check", ge=1)
-    aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient of the warm-up (the model's own "
-                                      "aux loss), so the router starts balanced like a pretrained MoE's", ge=0.0,
-                                  unhashed=0.0)
-    bias_update_rate: float = param(0.0, "expert-bias step of the warm-up (DeepSeek-V3's aux-loss-free balancing): "
-                                         "after every optimizer step each MoE layer's correction bias moves by "
-                                         "rate * sign(mean load - load) (moe_lab/rl/expert_bias.py); 0 = never "
-                                         "updated. Families with a bias only (deepseek_v3, glm4_moe, minimax_m2, "
-                                         "dots1, deepseek_v32, ernie4_5_moe)", ge=0.0, unhashed=0.0)
-    cache_dir: str = param("~/.cache/moe_lab/coldstart", "where warmed-up models are cached, keyed by config hash")
+    # sampled accuracy jumps fast: a coarser check overshoots the target
+    eval_every: int = param(5, "supervised steps between accuracy checks", ge=1)
+    eval_samples: int = param(128, "prompts per accuracy check", ge=1)
+    # > 0: the router starts balanced, like a pretrained MoE's
+    aux_loss_coef: float = param(0.0, "load-balancing loss coefficient of the warm-up", ge=0.0,
+                                 unhashed=0.0)
+    bias_update_rate: float = param(0.0, "expert-bias step of the warm-up; 0 = frozen",
+                                    ge=0.0, unhashed=0.0)
+    cache_dir: str = param("~/.cache/moe_lab/coldstart", "cache of warmed-up models")
 
 
 @dataclass
@@ -102,9 +84,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
-    seed: int = param(0, "seed of the RL run (sampling, minibatch order); the cold start has its own in model.seed",
-                      ge=0)
-    threads: int = param(1, "torch intra-op threads of one run (parallel runs share the cores)", ge=1)
+    seed: int = param(0, "seed of the RL run (cold start: model.seed)", ge=0)
+    threads: int = param(1, "torch threads of one run", ge=1)
 
 
 # The defaults a config's None clip and correction bounds resolve to (resolved_clip below), importable beside it.

@@ -100,24 +100,20 @@ _GRPO_CLIP = (0.2, 0.27)
 # The knob sets of the objectives that have them, by name: algos.objective_params builds one frozen class from
 # each (SapoParams ...), which the objective functions annotate.
 SAPO_KNOBS = Knobs("sapo", (
-    Knob("tau_pos", 1.0, "SAPO gate temperature for positive advantages (the paper's 1.0)", gt=0.0),
-    Knob("tau_neg", 1.05, "SAPO gate temperature for advantages <= 0 (the paper's 1.05)",
-         gt=0.0)))
+    Knob("tau_pos", 1.0, "SAPO gate temperature, advantages > 0", gt=0.0),
+    Knob("tau_neg", 1.05, "SAPO gate temperature, advantages <= 0", gt=0.0)))
 RSPO_KNOBS = Knobs("rspo", (
-    Knob("floor", 0.5, "RSPO lower bound on the router-shift ratio gamma (the paper floors gamma "
-                       "but gives no value we could read; 0.5 is ours)", gt=0.0, le=1.0),))
+    Knob("floor", 0.5, "RSPO floor on the router-shift ratio (0.5: ours)", gt=0.0, le=1.0),))
 VESPO_KNOBS = Knobs("vespo", (
-    Knob("k_pos", 2.0, "VESPO kernel exponent k for A >= 0 (TRL's default)", ge=0.0),
-    Knob("lambda_pos", 3.0, "VESPO kernel decay lambda for A >= 0 (TRL's default)", gt=0.0),
-    Knob("k_neg", 3.0, "VESPO kernel exponent k for A < 0 (TRL's default)", ge=0.0),
-    Knob("lambda_neg", 2.0, "VESPO kernel decay lambda for A < 0 (TRL's default)", gt=0.0)))
+    Knob("k_pos", 2.0, "VESPO kernel exponent, A >= 0", ge=0.0),
+    Knob("lambda_pos", 3.0, "VESPO kernel decay, A >= 0", gt=0.0),
+    Knob("k_neg", 3.0, "VESPO kernel exponent, A < 0", ge=0.0),
+    Knob("lambda_neg", 2.0, "VESPO kernel decay, A < 0", gt=0.0)))
 # DPPO truncates the (detached) ratio at this cap (verl's clip_ratio_c). The authors' run script sets 10000
 # ("disable dual-clip PPO and TIS for a fair comparison"); verl's code cites the paper's section 5.4 for
 # a large cap (truncation biases the gradient). The value, like CISPO's, is built on logp_new itself.
 DPPO_KNOBS = Knobs("dppo", (
-    Knob("ratio_cap", 10000.0, "DPPO (dppo_tv, dppo_kl) truncation of the detached ratio (verl's clip_ratio_c; the "
-                               "authors' 10000 = practically off); their clip_low/high are divergence thresholds",
-         ge=1.0),))
+    Knob("ratio_cap", 10000.0, "DPPO's cap on the detached ratio (verl's clip_ratio_c)", ge=1.0),))
 # DPPO (arXiv:2602.04879): clip_low/high are thresholds on the divergence estimate, not the ratio; TV 0.15 / 0.15
 # and binary KL 0.05 / 0.05, the values of the authors' run script (verl examples/dppo_trainer/
 # run_qwen30b_dppo.sh, Stable-RL); a TV threshold >= 1 or any KL one is simply never reached.

@@ -3,6 +3,9 @@ own fields, its docstring the heading of its table in docs/config.md; ``RLConfig
 stay flat: ``rl.lr``, ``rl.collapse_window``), and ``cfg.rl.section(name)`` hands a part of the trainer its own
 section. A new field goes into the section it belongs to; a new section is one class here and one entry of
 ``RL_SECTIONS``. No torch.
+
+A help text is one short clause (docs/config.md and ``moe-lab config`` print it); the details belong to the module
+that implements the field, the reasons for a default to a comment here.
 """
 
 from __future__ import annotations
@@ -34,160 +37,112 @@ def _with_objective_knobs(after: str):
 @section("objective")
 @_with_objective_knobs(after="dual_clip_c")
 class RLObjective:
-    """The policy objective, its clip range and knobs, advantages, KL and the balancing loss."""
+    """Policy objective, clip range, knobs, advantages, KL, balancing loss."""
 
-    algo: str = param("grpo", "policy objective (formulas: moe_lab/algos/objectives.py)",
-                      choices=C.ALGOS)
-    clip_low: float | None = param(None, "eps_low; None = the paper's (GRPO 0.2, GSPO/LUSPO 3e-4, CISPO 1.0 = no lower "
-                                         "bound, GMPO/RSPO 0.4 in log space, DPPO thresholds TV 0.15 / KL 0.05; "
-                                         "SAPO/VESPO: metrics only, GRPO's)", ge=0.0, lt=1.0)
-    clip_high: float | None = param(None, "eps_high; None = the paper's (GRPO 0.27, GSPO/LUSPO 4e-4, CISPO 0.28, "
-                                          "GMPO/RSPO 0.4 in log space, DPPO TV 0.15 / KL 0.05)", ge=0.0)
-    loss_agg: str = param("seq-mean-token-mean", "loss aggregation over tokens and sequences; -norm divides each "
-                                                 "sequence's token sum by the task's fixed response budget",
+    algo: str = param("grpo", "policy objective (moe_lab/algos/objectives.py)", choices=C.ALGOS)
+    # None: the objective's paper_clip, declared in its row of moe_lab/config/objective_specs.py
+    clip_low: float | None = param(None, "eps_low; None = the objective's paper value", ge=0.0, lt=1.0)
+    clip_high: float | None = param(None, "eps_high; None = the objective's paper value", ge=0.0)
+    loss_agg: str = param("seq-mean-token-mean", "token and sequence aggregation (-norm: by the response budget)",
                           choices=C.LOSS_AGGS)
-    dual_clip_c: float | None = param(None, "dual-clip bound c (> 1) for negative advantages (grpo and gspo variants); "
-                                            "None = off", gt=1.0)
+    dual_clip_c: float | None = param(None, "dual-clip bound for negative advantages; None = off", gt=1.0)
     # here: rl.<prefix>_<name>, every objective's own knobs, declared in moe_lab/config/objective_specs.py
-    std_normalize: bool = param(True, "divide group-centred rewards by their std (False = Dr.GRPO mean-only)")
-    whiten: str = param("group", "normalisation scope of advantages", choices=C.WHITEN_MODES)
+    std_normalize: bool = param(True, "divide advantages by the group's std (False: Dr.GRPO)")
+    whiten: str = param("group", "scope of the advantage normalisation", choices=C.WHITEN_MODES)
     reward_clip: float | None = param(None, "clamp rewards to [-c, c]; None = off", gt=0.0)
     adv_clip: float | None = param(None, "clamp advantages to [-c, c]; None = off", gt=0.0)
-    kl_coef: float = param(0.0, "KL-to-reference coefficient (the GSPO authors use 0)", ge=0.0)
+    kl_coef: float = param(0.0, "KL-to-reference coefficient", ge=0.0)  # 0: the GSPO authors' setting
     kl_kind: str = param("k3", "KL estimator", choices=C.KL_KINDS)
-    kl_mode: str = param("loss", "KL as a loss term or as a per-token reward penalty", choices=C.KL_MODES)
-    aux_loss_coef: float = param(0.0, "router load-balancing loss coefficient during RL (default off)", ge=0.0)
+    kl_mode: str = param("loss", "KL as a loss term or a reward penalty", choices=C.KL_MODES)
+    aux_loss_coef: float = param(0.0, "load-balancing loss coefficient", ge=0.0)
 
 
 @section("replay")
 class RLReplay:
-    """Routing Replay and the router controls of the update forwards."""
+    """Routing Replay and router controls."""
 
-    replay: str = param("none", "Routing Replay: none, old (R2: old-policy routing, the paper's), "
-                                "rollout (R3: routing recorded during generation), predictive (R3 of a rollout routed "
-                                "by a learned prediction of the next step's router, a simplified PR2: "
-                                "moe_lab/routing/predictor.py)", choices=C.REPLAY_MODES)
-    replay_gate: float = param(0.0, "gated replay (prime-rl PR #2703): a replayed expert whose current router score "
-                                    "(softmax prob; DeepSeek: sigmoid score) is below gate x the router's own weakest "
-                                    "top-k score is replaced by the router's best expert not kept; 0 = plain replay, "
-                                    "1 = keep only experts the router would pick itself", ge=0.0, le=1.0)
-    replay_gate_weights: bool = param(False, "replay the recorded combine (gate) weights too, not only the expert ids "
-                                             "(prime-rl PR #3523): the router then gets no gradient from the combine")
-    router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the old-policy and update "
-                                     "forwards: emulates non-deterministic forwards, where repeated passes of one "
-                                     "model choose different experts (R3 paper, arXiv:2510.11370)", ge=0.0)
+    replay: str = param("none", "Routing Replay (old: R2, rollout: R3, predictive: PR2)", choices=C.REPLAY_MODES)
+    replay_gate: float = param(0.0, "gated replay threshold (moe_lab/routing/gate.py); 0 = off", ge=0.0, le=1.0)
+    replay_gate_weights: bool = param(False, "also replay the recorded gate weights")
+    # emulates non-deterministic forwards, where repeated passes of one model choose other experts (R3 paper)
+    router_noise: float = param(0.0, "router-logit noise std in the trainer's forwards", ge=0.0)
 
 
 @section("rollout")
 class RLRollout:
-    """Rollout numerics and the corrections of the rollout/trainer mismatch."""
+    """Rollout numerics and mismatch corrections."""
 
-    rollout_correction: str = param("none", "importance weights pi_train/pi_rollout against the rollout mismatch: "
-                                            "truncate (tis), mask (mis) or IcePop's two-sided mask",
+    rollout_correction: str = param("none", "importance weights pi_train/pi_rollout: truncated (tis) or masked",
                                     choices=C.ROLLOUT_CORRECTION_MODES)
-    rollout_correction_upper: float | None = param(None, "upper bound of the rollout-correction ratio; None = the mode's "
-                                                         "(tis/mis 2.0 as verl, icepop 5.0)", gt=0.0)
-    rollout_correction_lower: float | None = param(None, "lower bound (mis, icepop only); None = the mode's (mis none, "
-                                                         "icepop 0.5)", gt=0.0)
-    old_logp: str = param("old_forward", "source of logp_old: a forward pass of the old policy, or the rollout's own "
-                                          "log-probs (the paper's section 5.4 option)", choices=C.OLD_LOGP_SOURCES)
-    rollout_lag: int = param(0, "rollouts sampled by the policy of this many steps earlier (asynchronous RL); "
-                                "logp_old and R2's trace still come from the current policy", ge=0)
-    rollout_seeding: str = param("per_group", "how rollouts draw their random numbers: per_group samples each "
-                                              "prompt group under its own seed (seed, step, prompt index), so a "
-                                              "plain run and any torchrun world size sample the same responses; "
-                                              "sequential (plain runs only) samples the whole batch from one "
-                                              "run-long generator: the committed references' sampling, kept so that they re-run bit for bit",
+    # None: the mode's default bounds, declared in its row of moe_lab/config/mode_specs.py
+    rollout_correction_upper: float | None = param(None, "upper bound; None = the mode's", gt=0.0)
+    rollout_correction_lower: float | None = param(None, "lower bound (mask modes); None = the mode's", gt=0.0)
+    old_logp: str = param("old_forward", "logp_old from the old policy's forward or the rollout",
+                          choices=C.OLD_LOGP_SOURCES)
+    rollout_lag: int = param(0, "sample with the policy of this many steps ago (async RL)", ge=0)
+    # per_group: any torchrun world size samples the responses of a plain run; sequential: how the committed
+    # references sampled, kept so that they re-run bit for bit (docs/guide.md)
+    rollout_seeding: str = param("per_group", "per_group: a generator per prompt group; sequential: one per run",
                                  choices=C.ROLLOUT_SEEDINGS)
-    temperature: float = param(1.0, "sampling temperature of the rollout", gt=0.0)
-    rollout_router_noise: float = param(0.0, "std of Gaussian noise added to router logits in the sampler's "
-                                             "generation forwards only (an inference engine that routes "
-                                             "differently from the trainer, R3's setting), not in evaluation; "
-                                             "its own generator seeded from (seed, step, prompts), never the "
-                                             "sampling RNG", ge=0.0)
-    rollout_dtype: str = param("float32", "dtype of the rollout copy of the policy; bfloat16 creates a real "
-                                          "rollout-vs-train mismatch; float8: fp32 copy whose non-router linears "
-                                          "and experts run e4m3 fake-quantised weights and activations with "
-                                          "blockwise scales, GEMM outputs in bf16 (moe_lab/models/numerics.py)", choices=C.ROLLOUT_DTYPES)
-    rollout_kernels: str = param("batch_invariant", "reductions of the rollout copy: batch_invariant = the "
-                                                    "platform's kernels; batch_variant = split-K GEMMs and an MoE "
-                                                    "combine order that follow the batch, so a sequence gets other "
-                                                    "bits in another batch (a non-batch-invariant inference engine); "
-                                                    "batch_variant_fast = the same on the platform's GEMMs, with its "
-                                                    "own bits (models/numerics_fast.py)",
+    temperature: float = param(1.0, "sampling temperature", gt=0.0)
+    rollout_router_noise: float = param(0.0, "router-logit noise std in the sampler only", ge=0.0)
+    rollout_dtype: str = param("float32", "dtype of the rollout copy (float8: moe_lab/models/numerics.py)",
+                               choices=C.ROLLOUT_DTYPES)
+    rollout_kernels: str = param("batch_invariant", "rollout reductions; batch_variant*: bits depend on the batch",
                                  choices=C.ROLLOUT_KERNELS)
-    train_dtype: str = param("float32", "autocast dtype of the old-policy and update forwards; master weights, "
-                                        "optimizer and log-probs stay fp32 (with rollout_dtype: every pairing)",
-                             choices=C.DTYPES)
+    train_dtype: str = param("float32", "autocast dtype of the trainer's forwards", choices=C.DTYPES)
 
 
 @section("bias")
 class RLBias:
-    """Expert-bias updates during RL (DeepSeek-V3)."""
+    """Expert-bias updates during RL (moe_lab/rl/expert_bias.py)."""
 
-    bias_update_rate: float = param(0.0, "expert-bias step during RL: after every optimizer step each MoE layer's "
-                                         "correction bias moves by rate * sign(mean load - load), the loads counted "
-                                         "over that step's update forwards (DeepSeek-V3; Megatron-LM "
-                                         "moe_router_bias_update_rate); 0 = frozen (NeMo-RL, slime). Families with a "
-                                         "bias only, as coldstart.bias_update_rate", ge=0.0)
-    bias_counts: str = param("free", "the expert loads of rl.bias_update_rate under replay: free counts the experts "
-                                     "the router itself would choose (its own top-k on the same scores), replayed "
-                                     "the ids that ran (the forced ones; verl). Equal without replay",
+    bias_update_rate: float = param(0.0, "expert-bias step per optimizer step; 0 = frozen", ge=0.0)
+    bias_counts: str = param("free", "loads under replay: the router's choice (free) or the forced ids",
                              choices=C.BIAS_COUNTS)
-    bias_count_dtype: str = param("float32", "dtype the expert loads of rl.bias_update_rate accumulate and are "
-                                             "compared in; bfloat16 loses integers above 256 (Megatron-LM #7081's "
-                                             "sign flip)", choices=C.BIAS_COUNT_DTYPES)
+    bias_count_dtype: str = param("float32", "dtype of the load counts", choices=C.BIAS_COUNT_DTYPES)
 
 
 @section("schedule")
 class RLSchedule:
-    """Steps, batch, updates per batch and the optimizer (which weights it moves, at what rate)."""
+    """Steps, batch, updates and the optimizer."""
 
-    steps: int = param(40, "RL steps (one rollout batch each)", ge=1)
+    steps: int = param(40, "RL steps, one rollout batch each", ge=1)
     prompts_per_step: int = param(16, "prompts per rollout batch (B)", ge=1)
     group_size: int = param(8, "responses per prompt (G)", ge=2)
-    minibatches: int = param(4, "optimizer steps per rollout batch and epoch (the paper uses 4)", ge=1)
-    epochs: int = param(1, "passes over each rollout batch (PPO epochs), each in its own seeded order; "
-                           "epochs * minibatches - 1 updates per batch are off-policy (staleness)", ge=1)
-    lr: float = param(1e-4, "AdamW learning rate (1e-3 collapses the sort task within 5 steps at this scale)", gt=0.0)
-    router_lr_mult: float = param(1.0, "learning-rate multiplier of the router weights (volatility knob)", gt=0.0)
-    warmup_steps: int = param(2, "linear learning-rate warmup in optimizer steps", ge=0)
+    minibatches: int = param(4, "optimizer steps per batch and epoch", ge=1)  # 4: the paper's
+    epochs: int = param(1, "passes over each rollout batch (PPO epochs)", ge=1)
+    # 1e-4: at 1e-3 the sort task collapsed within 5 steps at this scale
+    lr: float = param(1e-4, "AdamW learning rate", gt=0.0)
+    router_lr_mult: float = param(1.0, "router learning-rate multiplier", gt=0.0)
+    warmup_steps: int = param(2, "linear warmup, in optimizer steps", ge=0)
     weight_decay: float = param(0.0, "AdamW weight decay", ge=0.0)
     grad_clip: float = param(1.0, "max global gradient norm; 0 = off", ge=0.0)
-    freeze_router: bool = param(False, "router weights get no gradient, no optimizer update and no AdamW state "
-                                       "(prime-rl freeze_moe_router); optim/grad_norm then excludes them")
+    freeze_router: bool = param(False, "router weights get no gradient or update")
 
 
 @section("collapse")
 class RLCollapse:
     """The collapse rules (moe_lab/store/health.py)."""
 
-    collapse_window: int = param(10, "span of the moving averages (alpha = 2/(span+1)) of reward and entropy that "
-                                     "the soft collapse rules watch (moe_lab/store/health.py)", ge=1)
-    collapse_drop: float = param(0.5, "soft reward collapse: the reward's moving average stays below this "
-                                      "fraction of its running best for rl.collapse_patience steps", gt=0.0, lt=1.0)
-    collapse_patience: int = param(5, "consecutive steps below rl.collapse_drop x best before a "
-                                      "soft reward collapse is called", ge=1)
-    collapse_min_best: float = param(0.1, "the soft reward rule arms once the running best of the moving "
-                                          "average reaches this reward (a run that never learned cannot collapse)",
-                                     ge=0.0)
-    collapse_entropy_max: float | None = param(None, "soft entropy collapse: the policy entropy's moving average "
-                                                     "above this many nats; None = off", gt=0.0)
-    stop_on_collapse: bool = param(False, "stop a run at a soft collapse (False: record collapsed_at and continue, "
-                                          "so curves stay comparable); non-finite values and 5 steps of reward "
-                                          "exactly 0 always stop")
+    collapse_window: int = param(10, "span of the reward and entropy moving averages", ge=1)
+    collapse_drop: float = param(0.5, "reward collapse: moving average below this fraction of its best",
+                                 gt=0.0, lt=1.0)
+    collapse_patience: int = param(5, "steps below collapse_drop before a reward collapse", ge=1)
+    collapse_min_best: float = param(0.1, "best moving average that arms the reward rule", ge=0.0)
+    collapse_entropy_max: float | None = param(None, "entropy collapse above this many nats; None = off", gt=0.0)
+    # False keeps every seed's curve the same length; the hard rules always stop
+    stop_on_collapse: bool = param(False, "stop at a soft collapse, not only record it")
 
 
 @section("cadence")
 class RLCadence:
     """How often a run measures, evaluates and checkpoints."""
 
-    decomp_every: int = param(2, "ratio decomposition (ratio/d_route_* etc.: one extra no-grad forward of the "
-                                 "minibatch, ~ one old-policy pass) on every N-th update (global update index u with "
-                                 "(u + 1) % N == 0; NaN columns on the others); 1 = every update, 0 = off. Default 2: "
-                                 "at 1 it measured +15-20% of a step on CPU", ge=0)
-    eval_every: int = param(10, "RL steps between evaluations (greedy and sampled accuracy)", ge=1)
-    checkpoint_every: int = param(5, "RL steps between resumable checkpoints", ge=1)
+    # 2: at 1 the extra forward measured +15-20% of a CPU step (docs/metrics.md, ratio/d_route_mean)
+    decomp_every: int = param(2, "ratio decomposition on every N-th update; 0 = off", ge=0)
+    eval_every: int = param(10, "RL steps between evaluations", ge=1)
+    checkpoint_every: int = param(5, "RL steps between checkpoints", ge=1)
 
 
 RL_SECTIONS = (RLObjective, RLReplay, RLRollout, RLBias, RLSchedule, RLCollapse, RLCadence)
