@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -33,14 +34,42 @@ def healthy_trace(seed: int, steps: int = 120) -> np.ndarray:
     return np.clip(clean + 0.08 * rng.standard_normal(steps) + dips, 0.0, 1.0)
 
 
-def test_defaults_are_the_config_fields():
-    assert DEFAULTS == health.CollapseParams(window=10, drop=0.5, patience=5, min_best=0.1, entropy_max=None)
+def test_params_are_read_from_the_config_its_section_or_a_run_folders_mapping():
     rl = RLConfig(collapse_window=3, collapse_drop=0.2, collapse_patience=2, collapse_min_best=0.0,
                   collapse_entropy_max=4.0)
-    assert health.CollapseParams.from_config(rl) == health.CollapseParams(3, 0.2, 2, 0.0, 4.0)
+    expected = health.CollapseParams(window=3, drop=0.2, patience=2, min_best=0.0, entropy_max=4.0)
+    assert expected != DEFAULTS
+    assert health.CollapseParams.from_config(rl) == health.CollapseParams.from_config(rl.section("collapse")) == \
+        health.CollapseParams.from_config(dataclasses.asdict(rl)) == expected
     # a config written before the fields existed (a YAML dict without them) is judged by the defaults
     assert health.CollapseParams.from_config({"algo": "grpo", "collapse_patience": 7}) == \
-        health.CollapseParams(patience=7)
+        dataclasses.replace(DEFAULTS, patience=7)
+
+
+# A run whose reward rises, then falls to near 0, with the entropy at 2 nats throughout: each collapse setting
+# below, set away from its default, changes what the rules decide on it.
+RISE_AND_FALL = observations([0.2, 0.4, 0.6, 0.8, 0.8, 0.8, 0.8, 0.8] + [0.05] * 20, entropies=[2.0] * 28)
+AWAY_FROM_DEFAULT = {"collapse_window": 3, "collapse_drop": 0.05, "collapse_patience": 2,
+                     "collapse_min_best": 0.9, "collapse_entropy_max": 1.0, "stop_on_collapse": True}
+
+
+def decisions(rl: RLConfig) -> list:
+    """Everything the rules decide for RISE_AND_FALL under the collapse section of ``rl``, as the loop reads it."""
+    section = rl.section("collapse")
+    params = health.CollapseParams.from_config(section)
+    states = health.trace(params, RISE_AND_FALL)
+    return [(s, health.stop_reason(s, o, params, section.stop_on_collapse)) for s, o in zip(states, RISE_AND_FALL)]
+
+
+def test_every_collapse_setting_reaches_the_rules():
+    """Each field of the collapse section (moe_lab/config/rl.py, the settings' one owner) changes the decisions:
+    a field added there that health does not read fails here."""
+    section_fields = [f.name for f in dataclasses.fields(RLConfig.SECTIONS["collapse"])]
+    assert sorted(AWAY_FROM_DEFAULT) == sorted(section_fields), "give each collapse setting a value here"
+    default = decisions(RLConfig())
+    assert default[-1][0].collapse_rule == "reward_drop"
+    for name, value in AWAY_FROM_DEFAULT.items():
+        assert decisions(RLConfig(**{name: value})) != default, f"rl.{name}={value} changes no decision"
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -31,7 +31,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from moe_lab.config import RLConfig
+from moe_lab.config.fields import hints
+from moe_lab.config.rl import RLCollapse
 
 ZERO_REWARD_STEPS = 5
 HARD_COLLAPSE_RULES = ("non_finite", "zero_reward")
@@ -39,22 +40,14 @@ SOFT_COLLAPSE_RULES = ("reward_drop", "entropy")
 COLLAPSE_RULES = (*HARD_COLLAPSE_RULES, *SOFT_COLLAPSE_RULES)
 
 
-# CollapseParams' field -> the RLConfig field it is read from; the defaults are the config's (one owner)
-CONFIG_FIELDS = {"window": "collapse_window", "drop": "collapse_drop", "patience": "collapse_patience",
-                 "min_best": "collapse_min_best", "entropy_max": "collapse_entropy_max"}
+# The rules' parameters are the collapse section's fields rl.collapse_<name> (RLCollapse, moe_lab/config/rl.py: their
+# one declaration, with type, default and bounds), named <name> here. The section's stop_on_collapse is no rule's
+# parameter: it says what the loop does when a soft rule fires (stop_reason's argument).
+CONFIG_PREFIX = "collapse_"
 
 
-def _config_default(name: str):
-    return RLConfig.__dataclass_fields__[CONFIG_FIELDS[name]].default
-
-
-@dataclass(frozen=True)
-class CollapseParams:
-    window: int = _config_default("window")
-    drop: float = _config_default("drop")
-    patience: int = _config_default("patience")
-    min_best: float = _config_default("min_best")
-    entropy_max: float | None = _config_default("entropy_max")
+class _Rules:
+    """What CollapseParams adds to its fields."""
 
     @property
     def alpha(self) -> float:
@@ -62,10 +55,19 @@ class CollapseParams:
 
     @classmethod
     def from_config(cls, rl) -> CollapseParams:
-        """From an RLConfig (or anything with the rl.collapse_* attributes; missing ones keep the defaults,
-        so a config without these fields is judged by their defaults)."""
+        """From an RLConfig, its collapse section, or a mapping of rl keys (a run folder's config.yaml); missing
+        keys keep the defaults, so a config written before a field existed is judged by its default."""
         get = rl.get if isinstance(rl, Mapping) else lambda k, d: getattr(rl, k, d)
-        return cls(**{f: get(k, getattr(cls, f)) for f, k in CONFIG_FIELDS.items()})
+        return cls(**{f.name: get(CONFIG_PREFIX + f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+CollapseParams = dataclasses.make_dataclass(
+    "CollapseParams",
+    [(f.name.removeprefix(CONFIG_PREFIX), hints(RLCollapse)[f.name], dataclasses.field(default=f.default))
+     for f in dataclasses.fields(RLCollapse) if f.name.startswith(CONFIG_PREFIX)],
+    bases=(_Rules,), frozen=True)
+CollapseParams.__module__ = __name__  # pickled by reference, like a class declared here
+CollapseParams.__doc__ = "The collapse rules' parameters: the collapse section's rl.collapse_* fields, unprefixed."
 
 
 @dataclass(frozen=True)
