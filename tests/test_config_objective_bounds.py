@@ -4,13 +4,17 @@ declares nothing keeps the field's bounds, refused in one line naming the field,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
+from moe_lab.algos.losses import policy_loss
+from moe_lab.algos.objectives import OBJECTIVES
 from moe_lab.cli import main
-from moe_lab.config import ConfigError, apply_overrides, field_table, from_dict, load_yaml, validate
+from moe_lab.config import PAPER_CLIP, ConfigError, apply_overrides, field_table, from_dict, load_yaml, validate
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 from moe_lab.rl.loop import train
 
@@ -29,6 +33,35 @@ def test_clip_low_at_one_is_allowed_exactly_where_the_objective_declares_it(algo
             validate(from_dict(data))
         assert str(err.value) == f"rl.clip_low=1.0 is out of range for rl.algo={algo}: allowed >= 0.0 and < 1.0"
     assert OBJECTIVE_SPECS["cispo"].field_bounds() and not OBJECTIVE_SPECS["grpo"].field_bounds()
+
+
+def _loss_takes(algo: str, clip_low: float) -> bool:
+    """Does the loss's own argument check (moe_lab/algos/losses.py) take this clip_low for ``algo``?"""
+    B, T = 2, 3
+    try:
+        policy_loss(torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B), torch.ones(B, T), algo=algo,
+                    clip_low=clip_low, clip_high=PAPER_CLIP[algo][1])
+    except ValueError as err:
+        assert str(err).startswith("clip_low"), err
+        return False
+    return True
+
+
+def _config_takes(algo: str, clip_low: float) -> bool:
+    try:
+        validate(from_dict({"rl": {"algo": algo, "clip_low": clip_low}}))
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("algo", list(OBJECTIVE_SPECS))
+def test_the_loss_takes_the_clip_low_values_the_config_takes(algo):
+    """policy_loss's bound on clip_low (Objective.clip_low_max) is the config's for that objective, not a copy."""
+    low_max = OBJECTIVES[algo].clip_low_max
+    values = [0.0, 0.5, 0.999, 1.0, 5.0, -0.1] + ([low_max] if math.isfinite(low_max) else [])
+    assert [_loss_takes(algo, v) for v in values] == [_config_takes(algo, v) for v in values]
+    assert _config_takes(algo, 1.0) == ("clip_low" in OBJECTIVE_SPECS[algo].field_bounds())
 
 
 def test_the_table_says_which_objectives_bound_clip_low_otherwise():

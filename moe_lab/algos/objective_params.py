@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from moe_lab.config.objective_specs import (DPPO_KNOBS, OBJECTIVE_SPECS, RSPO_KNOBS, SAPO_KNOBS, VESPO_KNOBS, Knobs,
                                            ObjectiveSpec)
+from moe_lab.config.rl import bounds_under
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ class Objective:
 
     @property
     def clip_low_max(self) -> float:
-        """Exclusive upper bound on clip_low."""
-        return math.inf if self.spec.clip_low_unbounded else 1.0
+        """Exclusive upper bound on clip_low: the one rl.clip_low has under this objective (inf: none)."""
+        lt = bounds_under(self.spec.name, "clip_low")["lt"]
+        return math.inf if lt is None else lt
 
     @property
     def dual_clip(self) -> bool:

@@ -21,7 +21,7 @@ from moe_lab.config.fields import allowed, check_field, hints, param, walk
 from moe_lab.config.errors import ConfigError
 from moe_lab.config.objective_specs import OBJECTIVE_SPECS
 from moe_lab.config.legacy import LEGACY_VALUES, upgrade_run_config  # noqa: F401  (run folders' configs)
-from moe_lab.config.rl import RL_SECTIONS, RLConfig  # noqa: F401  (the rl settings, by section)
+from moe_lab.config.rl import RL_SECTIONS, RLConfig, bounds_under  # noqa: F401  (the rl settings, by section)
 from moe_lab.config.yaml_io import apply_overrides, load_yaml, set_dotted  # noqa: F401 - re-exported: callers read YAML through config
 
 
@@ -111,8 +111,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     spec = OBJECTIVE_SPECS.get(cfg.rl.algo)  # an unknown algo fails its own check, before the fields it bounds
     for name, value, tp, meta in walk(cfg):
         if spec and name.startswith("rl.") and name[3:] in _OBJECTIVE_BOUNDED:
-            bounds = spec.field_bounds().get(name[3:], {})
-            check_field(name, value, tp, {**meta, **bounds}, f" for rl.algo={cfg.rl.algo}")
+            check_field(name, value, tp, {**meta, **bounds_under(cfg.rl.algo, name[3:])}, f" for rl.algo={cfg.rl.algo}")
         else:
             check_field(name, value, tp, meta)
     m, rl = cfg.model, cfg.rl
@@ -193,5 +192,5 @@ def _allowed(name: str, meta: dict) -> str:
     by_bounds: dict[str, list[str]] = {}
     for algo, spec in OBJECTIVE_SPECS.items():
         if name[3:] in spec.field_bounds():
-            by_bounds.setdefault(allowed({**meta, **spec.field_bounds()[name[3:]]}), []).append(algo)
+            by_bounds.setdefault(allowed({**meta, **bounds_under(algo, name[3:])}), []).append(algo)
     return "; ".join([own, *(f"{', '.join(algos)}: {text}" for text, algos in by_bounds.items())])

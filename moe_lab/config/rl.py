@@ -148,3 +148,11 @@ class RLCadence:
 RL_SECTIONS = (RLObjective, RLReplay, RLRollout, RLBias, RLSchedule, RLCollapse, RLCadence)
 RLConfig = flat("RLConfig", RL_SECTIONS, "The RL settings: flat keys, each declared in one section of "
                 "moe_lab/config/rl.py (``section(name)``).", __name__)
+
+
+def bounds_under(algo: str, name: str) -> dict[str, float | None]:
+    """The bounds (ge, gt, le, lt) of rl.<name> under objective ``algo``: the field's own, replaced where the
+    objective declares its own (ObjectiveSpec.field_bounds). Validation, docs/config.md and the loss's own
+    argument check read them here."""
+    meta = RLConfig.__dataclass_fields__[name].metadata
+    return {**{k: meta[k] for k in ("ge", "gt", "le", "lt")}, **OBJECTIVE_SPECS[algo].field_bounds().get(name, {})}
