@@ -290,7 +290,7 @@ CONFIRMATION = {
 EXPLORE_SETUP = '''\
 from IPython.display import Markdown, display
 
-from moe_lab.analysis import endpoint_plots, report_plots, report_tables
+from moe_lab.analysis import endpoint_plots, report, report_tables
 from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import load_comparison
 from moe_lab.launch.design import contrasts_spec, describe_spec
@@ -323,7 +323,7 @@ tables = contrasts_of(exp, per_run)
 for column, table in tables.items():
     display(Markdown(format_declared(table, column)))
 if tables:
-    display(report_plots.contrast_dots(tables))
+    display(report.contrast_dots(tables))
 else:
     print(FOLDER.name, "declares no contrasts: `moe-lab compare` prints every pair at the run level")'''
 
@@ -331,7 +331,7 @@ EXPLORE_DESCRIBE = '''\
 described = describe_spec(exp)
 if described:
     display(Markdown("\\n".join(report_tables.describe_tables(metrics, per_run, described))))
-    display(report_plots.describe_curves(metrics, described))
+    display(report.describe_curves(metrics, described))
 else:
     print(FOLDER.name, "declares no `describe:` metrics")'''
 
@@ -342,9 +342,9 @@ for folder in FOLDERS[1:]:
     display(endpoint_plots.learning_curves(metrics, evals, spec))
     tables = contrasts_of(exp, per_run)
     if tables:
-        display(report_plots.contrast_dots(tables))
+        display(report.contrast_dots(tables))
     if describe_spec(exp):
-        display(report_plots.describe_curves(metrics, describe_spec(exp)))'''
+        display(report.describe_curves(metrics, describe_spec(exp)))'''
 
 EXPLORER = {
     "title": "# Experiment explorer\n\n"

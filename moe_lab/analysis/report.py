@@ -7,25 +7,39 @@ Then collapse counts with Wilson intervals, the descriptive tables of the metric
 (``describe:``), the runs that raised the harness alarm (moe_lab/store/harness.py), the figures, and under
 "Conclusion" the file's ``verdict:``, printed only when every number in it appears in the generated tables (a
 conclusion may round nothing and quote nothing the tables do not show).
+
+The design section is the folder's own experiment.yaml (what the runner ran); the command-line overrides are the
+fields where every run's config.yaml differs from that file's expansion; the provenance is the manifests (code
+commits, start and end times) and, where the folder sits in a git checkout, the commit that added the experiment
+file. The figures: learning curves per arm, the declared contrasts per cold start, and the metrics the file
+declares (``describe:``).
 """
 
 from __future__ import annotations
 
+import collections
+import datetime as dt
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import yaml
 from matplotlib.figure import Figure
 
-from moe_lab.analysis import report_design, report_plots, report_tables, run_fidelity
+from moe_lab.analysis import report_tables, run_fidelity
+from moe_lab.analysis.arm_traits import traits_of
 from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import endpoints_head, format_arms, format_pairs, load_comparison
+from moe_lab.analysis.plots import STEP, arm_order, curves, figure_legend, new_figure, styled
 from moe_lab.analysis.stats import detectable_difference
-from moe_lab.config import ConfigError
+from moe_lab.analysis.tables import flatten, load_runs
+from moe_lab.config import ConfigError, dump_yaml
+from moe_lab.launch.design import Describe
 from moe_lab.launch.progress import finished_of
 from moe_lab.launch.spec import Experiment, parse_experiment
-from moe_lab.store.run_folder import ResultsFolder
+from moe_lab.store.run_folder import ResultsFolder, first_segments
 
 REPORT_FILE = "REPORT.md"
 # a number as a verdict writes it: optional sign, digits, decimals, exponent; not inside a word (R3, k3, 1e-3 ok)
@@ -51,6 +65,109 @@ def check_verdict(verdict: str, tables: str, where: str) -> None:
         if (n not in shown) if n[0] in "+-" else (n not in unsigned):
             raise ConfigError(f"{where}: verdict: the number {n} does not appear in the report's generated tables; "
                               "quote the tables as printed")
+
+
+def utc(t: float | None) -> str:
+    return "unknown" if t is None else dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def inline(value) -> str:
+    """One line of YAML flow style (a mapping as ``{a: 1, b: 2}``)."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10_000).strip()
+
+
+def question(exp: Experiment) -> list[str]:
+    text = " ".join(str(exp.description or "").split())
+    return ["## Question", "", text or "The experiment file states no question (no `description:`)."]
+
+
+def _overrides(folder: ResultsFolder, exp: Experiment) -> dict:
+    """Dotted fields where every finished run's config differs from the experiment's expansion, with the value
+    they all share (a command-line override, or a default changed since the runs); {} when none or unknown."""
+    try:
+        cells = {c.run_id: flatten(yaml.safe_load(dump_yaml(c.config))) for c in exp.cells()}
+    except ConfigError:
+        return {}
+    common = None
+    for run in folder.run_folders(with_manifest=True):
+        if run.run_id not in cells:
+            continue
+        ran = flatten(run.config())
+        diff = {k: v for k, v in ran.items() if k in cells[run.run_id] and cells[run.run_id][k] != v}
+        common = diff if common is None else {k: v for k, v in common.items() if diff.get(k) == v}
+    return dict(sorted((common or {}).items()))
+
+
+def design(folder: ResultsFolder, exp: Experiment, n_runs: int, where: str) -> list[str]:
+    """Organism, schedule, arms, cold starts or seeds, the command (``where``: the folder as the page names it)."""
+    if not exp.explicit:
+        return ["## Design", "", f"No experiment.yaml in this folder: {n_runs} runs, their design unknown here."]
+    base = exp.base
+    lines = ["## Design", "",
+             f"- organism: `model: {inline(base.get('model') or {})}`, `task: {inline(base.get('task') or {})}`"
+             + (f", `coldstart: {inline(base['coldstart'])}`" if base.get("coldstart") else ""),
+             f"- RL: `rl: {inline(base.get('rl') or {})}` (other fields at their defaults)"]
+    for key in ("sweep", "factors"):
+        if exp.setting(key):
+            lines.append(f"- {key}: `{inline(exp.setting(key))}`")
+    blocks = exp.blocks
+    if blocks:
+        lines.append(f"- cold starts: {len(blocks.seeds)} values of `{blocks.field}` "
+                     f"({', '.join(map(str, blocks.seeds))}), RL seeds of their own: `{inline(blocks.seeds)}`")
+    else:
+        lines.append(f"- seeds: `{inline(exp.setting('seeds') or [0])}` (one cold start per model config)")
+    lines += ["", "| arm | overrides of base |", "|---|---|"]
+    lines += [f"| {arm} | `{inline(spec or {})}` |" for arm, spec in exp.arms.items()]
+    over = _overrides(folder, exp)
+    command = f"moe-lab run {exp.name or folder.path.name} --out {where}"
+    command += "".join(f" {k}={v}" for k, v in over.items())
+    lines += ["", f"Command: `{command}`" + (" (the fields after the folder are where every run's config differs "
+                                             "from the experiment file's expansion at today's code)" if over else "")
+              + f"; {n_runs} run folders."]
+    return lines
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def file_committed(folder: ResultsFolder, exp: Experiment) -> str:
+    """When the experiment file (experiments/<name>.yaml, else the folder's experiment.yaml) was first committed:
+    its adding commit and date from git log; "unknown" without git or without such a file in the history."""
+    root = _git(folder.path, "rev-parse", "--show-toplevel")
+    if root is None:
+        return "unknown (no git checkout)"
+    name = exp.name
+    candidates = [Path(root) / "experiments" / f"{name}.yaml"] if name else []
+    for path in [*candidates, folder.experiment_path.resolve()]:
+        log = _git(Path(root), "log", "--diff-filter=A", "--format=%H %ct", "--", str(path))
+        if log:  # the full hash cut to 7, as git_commit above: %h's length depends on the clone's object count
+            commit, when = log.splitlines()[-1].split()
+            return f"{utc(float(when))} ({commit[:7]}, `{Path(path).relative_to(root).as_posix()}`)"
+    return "unknown (not in the git history)"
+
+
+def provenance(folder: ResultsFolder, exp: Experiment) -> list[str]:
+    """Code commits, when the first run started and the last ended, when the experiment file was committed."""
+    commits, starts, inferred, ends = collections.Counter(), [], [], []
+    for run in folder.run_folders(with_manifest=True):
+        m = run.manifest
+        commits[(m.get("git_commit") or "unknown")[:7]] += 1
+        starts += [s["started"] for s in first_segments(m)[:1] if s.get("started") is not None]
+        if m.get("updated") is not None:
+            ends.append(float(m["updated"]))
+            inferred.append(float(m["updated"]) - float(m.get("wall_s") or 0.0))
+    first = (utc(min(starts)) if starts else
+             f"not recorded (manifests before start times); at the latest {utc(min(inferred))} (updated − wall_s)"
+             if inferred else "unknown")
+    code = ", ".join(f"{c} ({n} runs)" for c, n in commits.most_common()) or "none"
+    return ["## Provenance", "", f"- code (manifests' git_commit): {code}",
+            f"- experiment file first committed: {file_committed(folder, exp)}",
+            f"- first run started: {first}", f"- last manifest written: {utc(max(ends) if ends else None)}"]
 
 
 def _contrast_sections(per_run: pd.DataFrame, exp: Experiment, pairs: pd.DataFrame) -> tuple[list[str], dict]:
@@ -103,10 +220,43 @@ def _figures(metrics, evals, spec, tables, describe) -> dict[str, Figure]:
 
     figures = {"report_curves.png": learning_curves(metrics, evals, spec)}
     if tables:
-        figures["report_contrasts.png"] = report_plots.contrast_dots(tables)
+        figures["report_contrasts.png"] = contrast_dots(tables)
     if describe and any(m in metrics for m in describe.metrics):
-        figures["report_describe.png"] = report_plots.describe_curves(metrics, describe)
+        figures["report_describe.png"] = describe_curves(metrics, describe)
     return figures
+
+
+@styled
+def contrast_dots(tables: dict[str, pd.DataFrame]) -> Figure:
+    """Per endpoint (one column each) and declared contrast (one row each): the difference on every cold start
+    (dots) and its mean with the 95% interval over cold starts (bar), against 0."""
+    fig, axes = new_figure(len(tables), 1, width=5.0, height=0.6 + 0.5 * max(len(t) for t in tables.values()))
+    for ax, (column, table) in zip(axes[0], tables.items()):
+        labels = [f"{r.setting + ': ' if r.setting else ''}{r.arm} − {r.vs}" for r in table.itertuples()]
+        for i, r in enumerate(table.itertuples()):
+            ax.plot(list(r.per_block.values()), [i] * len(r.per_block), "o", color="0.45", markersize=4)
+            ax.errorbar(r.diff, i, xerr=[[r.diff - r.lo], [r.hi - r.diff]], fmt="D", color="black", capsize=3)
+        ax.axvline(0.0, color="0.6", linewidth=1)
+        ax.set_yticks(range(len(labels)), labels)
+        ax.invert_yaxis()
+        ax.set(xlabel=f"difference of the {column} endpoint", title=f"{column}: per cold start (dots), 95% over "
+                                                                      "cold starts (bar)")
+    return fig
+
+
+@styled
+def describe_curves(metrics: pd.DataFrame, spec: Describe) -> Figure:
+    """Each declared metric per arm against the RL step (mean over runs, 95% t band)."""
+    present = [m for m in spec.metrics if m in metrics]
+    arms = arm_order(metrics["arm"].unique(), traits_of(metrics))
+    fig, axes = new_figure(min(3, len(present)), -(-len(present) // 3), width=4.4, height=3.2)
+    for ax, metric in zip(axes.flat, present):
+        curves(ax, metrics, metric, arms, ylabel=metric, title=metric)
+    for ax in list(axes.flat)[len(present):]:
+        ax.set_visible(False)
+    figure_legend(fig, axes.flat[0])
+    fig.suptitle(f"each run's step mean, then the mean over runs with its 95% t band, against the {STEP}")
+    return fig
 
 
 def _interim(folder: ResultsFolder, exp: Experiment, where: str) -> list[str]:
@@ -125,29 +275,27 @@ def _interim(folder: ResultsFolder, exp: Experiment, where: str) -> list[str]:
 
 def build(results: str | Path | ResultsFolder, figures: bool = True, shown_as: str | None = None) -> Report:
     """The report of a results folder; ``shown_as``: the folder's name in the page (default: its path)."""
-    from moe_lab.analysis.tables import load_runs
-
     folder = results if isinstance(results, ResultsFolder) else ResultsFolder(results)
     where = shown_as or folder.path.as_posix()
     exp = parse_experiment(folder.experiment())
     head = [f"# {exp.name or folder.path.name}", "",
             f"Generated by `moe-lab report {where}` from this folder alone; do not edit (regenerate).", "",
-            *report_design.question(exp), ""]
+            *question(exp), ""]
     n_runs = len(folder.run_folders(with_manifest=True))
     if not n_runs:  # an experiment file committed without its runs: its design, nothing measured
-        return Report("\n".join([*head, *report_design.design(folder, exp, 0, where), "",
-                                 *report_design.provenance(folder, exp), "", "## Results", "",
+        return Report("\n".join([*head, *design(folder, exp, 0, where), "",
+                                 *provenance(folder, exp), "", "## Results", "",
                                  "No runs in this folder: nothing was measured here."]) + "\n")
     blind = _interim(folder, exp, where)
     if blind:  # a confirmatory design part-way: its design and how far it has got, no outcome
-        return Report("\n".join([*head, *report_design.design(folder, exp, n_runs, where), "",
-                                 *report_design.provenance(folder, exp), "", "## Results", "", *blind]) + "\n")
+        return Report("\n".join([*head, *design(folder, exp, n_runs, where), "",
+                                 *provenance(folder, exp), "", "## Results", "", *blind]) + "\n")
     spec, per_run, arms, pairs = load_comparison(folder)
     describe, verdict = exp.describe, exp.verdict
     metrics, evals = load_runs(folder.path)
     contrast_lines, tables = _contrast_sections(per_run, exp, pairs)
-    body = [*report_design.design(folder, exp, n_runs, where), "",
-            *report_design.provenance(folder, exp), "",
+    body = [*design(folder, exp, n_runs, where), "",
+            *provenance(folder, exp), "",
             "## Endpoints per arm", "", endpoints_head(spec), "", *format_arms(arms), "", *contrast_lines, "",
             "## Collapses", "", *report_tables.collapse_table(per_run), ""]
     body[0:0] = _notes(folder, per_run)
