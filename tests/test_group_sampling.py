@@ -56,14 +56,20 @@ def _setup(**rl):
     return cfg, task, build_model(cfg.model, len(task.tokenizer)), task.sample_prompts(4, np.random.default_rng(1))
 
 
+def _sample(policy, task, cfg, prompts, **where):
+    """collect's rollout stage of ``prompts`` with the run's rollout section (``where``: step, first_group)."""
+    return _rollout(policy, task, cfg.rl.section("rollout"), prompts, seed=cfg.seed, group_size=cfg.rl.group_size,
+                    predictive=False, **where)
+
+
 @pytest.mark.parametrize("noise", [0.0, 0.3])
 def test_a_rank_samples_its_groups_as_the_whole_batch_does(noise):
     """Groups 2 and 3 sampled as a rank's share (first_group=2) give the tokens, routing and (to float rounding
     of a smaller batch) log-probs they get in the whole batch; the global generator is never drawn from."""
     cfg, task, policy, prompts = _setup(rollout_router_noise=noise)
     state = torch.get_rng_state()
-    _, whole = _rollout(policy, task, cfg, prompts, step=3)
-    _, share = _rollout(policy, task, cfg, prompts[2:], step=3, first_group=2)
+    _, whole = _sample(policy, task, cfg, prompts, step=3)
+    _, share = _sample(policy, task, cfg, prompts[2:], step=3, first_group=2)
     assert torch.equal(torch.get_rng_state(), state)
     rows = slice(8, 16)
     assert whole.completions[rows] == share.completions and len(set(whole.completions)) > 4
@@ -71,7 +77,7 @@ def test_a_rank_samples_its_groups_as_the_whole_batch_does(noise):
     lp_whole = whole.logp_rollout_BT[rows][whole.response_mask_BT[rows]]
     lp_share = share.logp_rollout_BT[share.response_mask_BT]
     torch.testing.assert_close(lp_whole, lp_share, rtol=1e-5, atol=1e-6)
-    _, other = _rollout(policy, task, cfg, prompts[2:], step=3, first_group=0)  # other seeds: other samples
+    _, other = _sample(policy, task, cfg, prompts[2:], step=3, first_group=0)  # other seeds: other samples
     assert other.completions != share.completions
 
 
@@ -80,7 +86,7 @@ def test_sequential_seeding_draws_the_batch_from_the_global_generator():
     repeats them), as plain runs sampled before per-group seeding."""
     cfg, task, policy, prompts = _setup(rollout_seeding="sequential")
     torch.manual_seed(5)
-    first = _rollout(policy, task, cfg, prompts, step=3)[1].completions
-    second = _rollout(policy, task, cfg, prompts, step=3)[1].completions
+    first = _sample(policy, task, cfg, prompts, step=3)[1].completions
+    second = _sample(policy, task, cfg, prompts, step=3)[1].completions
     torch.manual_seed(5)
-    assert _rollout(policy, task, cfg, prompts, step=3)[1].completions == first != second
+    assert _sample(policy, task, cfg, prompts, step=3)[1].completions == first != second

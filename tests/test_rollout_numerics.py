@@ -192,7 +192,7 @@ NUMERICS = {"bf16": {"rollout_dtype": "bfloat16"}, "float8": {"rollout_dtype": "
 @pytest.mark.parametrize("numerics", NUMERICS)
 def test_r3_replays_the_recorded_rollout_routes_bit_exactly_under_every_rollout_numerics(numerics):
     cfg, task, policy, prompts = setup({"replay": "rollout", **NUMERICS[numerics]})
-    sampler = make_rollout_policy(policy, cfg.rl)
+    sampler = make_rollout_policy(policy, cfg.rl.section("rollout"))
     assert sampler is not policy
     torch.manual_seed(0)
     data = collect(policy, sampler, None, task, cfg, 1, prompts)
@@ -209,7 +209,8 @@ def test_r3_replays_the_recorded_rollout_routes_bit_exactly_under_every_rollout_
 def test_float8_rollout_routes_differently_from_the_fp32_trainer():
     cfg, task, policy, prompts = setup({"rollout_dtype": "float8"})
     torch.manual_seed(0)
-    m = collect(policy, make_rollout_policy(policy, cfg.rl), None, task, cfg, 1, prompts).batch_metrics
+    sampler = make_rollout_policy(policy, cfg.rl.section("rollout"))
+    m = collect(policy, sampler, None, task, cfg, 1, prompts).batch_metrics
     assert m["mismatch/router_change"] > 0 and m["mismatch/any_change"] >= m["mismatch/router_change"]
     assert m["mismatch/routers_per_token"] == pytest.approx(2 * m["mismatch/router_change"])
     layers = [m[f"mismatch/layer_{i}/router_change"] for i in range(2)]
@@ -229,8 +230,9 @@ def test_router_mismatch_counts_routers_not_slots():
 
 def test_default_rollout_is_the_policy_and_bf16_keeps_the_platforms_forwards():
     cfg, _, policy, _ = setup({})
-    assert make_rollout_policy(policy, cfg.rl) is policy
-    bf16 = make_rollout_policy(policy, setup({"rollout_dtype": "bfloat16"})[0].rl)
+    assert make_rollout_policy(policy, cfg.rl.section("rollout")) is policy
+    bf16_cfg = setup({"rollout_dtype": "bfloat16"})[0]
+    bf16 = make_rollout_policy(policy, bf16_cfg.rl.section("rollout"))
     assert bf16.dtype == torch.bfloat16 and not any("forward" in m.__dict__ for m in bf16.modules())
 
 

@@ -159,7 +159,7 @@ def test_config_accepts_batch_variant_fast_and_the_rollout_copy_uses_it():
     cfg, _, policy, _ = setup({"rollout_dtype": "float8", "rollout_kernels": "batch_variant_fast"})
     assert rollout_numerics("float8", "batch_variant_fast") == FastNumerics(float8=True)
     assert type(rollout_numerics("float8", "batch_variant")) is RolloutNumerics
-    sampler = make_rollout_policy(policy, cfg.rl)
+    sampler = make_rollout_policy(policy, cfg.rl.section("rollout"))
     experts = experts_of(sampler)
     assert sampler is not policy and experts.forward.__func__.__qualname__.startswith("_experts_forward")
     assert experts.forward.__func__.__module__ == "moe_lab.models.numerics_fast"

@@ -20,6 +20,7 @@ from moe_lab.algos.losses import kl_penalty
 from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import RunConfig
+from moe_lab.config.rl import RLObjective, RLRollout
 from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT, ROLLOUT_CORRECTION_SPECS
 from moe_lab.rl import seeds
 from moe_lab.rl.groups import group_generators, join_batches
@@ -113,27 +114,27 @@ def _reward_metrics(rewards_B: torch.Tensor, group_size: int, batch: RolloutBatc
             "response/length_max": float(batch.response_len_B.max())}
 
 
-def _rollout(rollout_policy, task, cfg: RunConfig, prompts: list[str], step: int = 0,
-             first_group: int = 0) -> tuple[list[str], RolloutBatch]:
-    """Stage 1: group_size samples of every prompt, routing recorded (R3's trace); rl.rollout_router_noise
+def _rollout(rollout_policy, task, rollout: RLRollout, prompts: list[str], *, seed: int, group_size: int,
+             predictive: bool, step: int = 0, first_group: int = 0) -> tuple[list[str], RolloutBatch]:
+    """Stage 1: group_size samples of every prompt, routing recorded (R3's trace); rollout_router_noise
     perturbs the sampler's routing only (an inference engine that routes differently from the trainer).
     per_group seeding (moe_lab.rl.groups): group j samples from its own generator (first_group + j: its index in
-    the step's batch); sequential: the whole batch from the run's global generator."""
-    rl = cfg.rl
+    the step's batch); sequential: the whole batch from the run's global generator. ``predictive``: the sampler
+    routes by the PR2 heads (the replay mode's ``predictor`` trait)."""
 
     def sample(chunk: list[str], gens: list[torch.Generator] | None) -> RolloutBatch:
-        noise_gen = seeds.rollout_noise_generator(cfg.seed, step, chunk) if rl.rollout_router_noise else None
-        sampler = None if gens is None else GroupSampler(gens, rl.group_size, rl.temperature)
-        return generate(rollout_policy, task.tokenizer, [p for p in chunk for _ in range(rl.group_size)],
-                        max_new_tokens=task.max_new_tokens, temperature=rl.temperature, record_routing=True,
-                        router_noise=rl.rollout_router_noise, noise_generator=noise_gen,
-                        predictive=REPLAY_SPECS[rl.replay].predictor, sampler=sampler)
+        noise_gen = seeds.rollout_noise_generator(seed, step, chunk) if rollout.rollout_router_noise else None
+        sampler = None if gens is None else GroupSampler(gens, group_size, rollout.temperature)
+        return generate(rollout_policy, task.tokenizer, [p for p in chunk for _ in range(group_size)],
+                        max_new_tokens=task.max_new_tokens, temperature=rollout.temperature, record_routing=True,
+                        router_noise=rollout.rollout_router_noise, noise_generator=noise_gen,
+                        predictive=predictive, sampler=sampler)
 
-    group_prompts = [p for p in prompts for _ in range(rl.group_size)]
-    if rl.rollout_seeding == "sequential":
+    group_prompts = [p for p in prompts for _ in range(group_size)]
+    if rollout.rollout_seeding == "sequential":
         return group_prompts, sample(prompts, None)
-    gens = group_generators(cfg.seed, step, first_group, len(prompts), rollout_policy.device)
-    if not rl.rollout_router_noise:
+    gens = group_generators(seed, step, first_group, len(prompts), rollout_policy.device)
+    if not rollout.rollout_router_noise:
         return group_prompts, sample(prompts, gens)
     # the noise generator is seeded per collect() call: one call per group keeps each group's draws its own
     parts = [sample([prompt], [gen]) for prompt, gen in zip(prompts, gens)]
@@ -157,36 +158,35 @@ def _old_logp(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     return logp_old_BT, old_trace, metrics
 
 
-def _correction(batch: RolloutBatch, logp_old_BT: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor | None, dict]:
+def _correction(batch: RolloutBatch, logp_old_BT: torch.Tensor,
+                rollout: RLRollout) -> tuple[torch.Tensor | None, dict]:
     """Stage 4: rollout-correction weights pi_train/pi_rollout and their metrics; (None, {}) when off.
     The config refuses a correction with old_logp=rollout (no gap to correct)."""
-    rl = cfg.rl
-    if not ROLLOUT_CORRECTION_SPECS[rl.rollout_correction].active:
+    if not ROLLOUT_CORRECTION_SPECS[rollout.rollout_correction].active:
         return None, {}
     is_weights_BT, corr = rollout_correction(logp_old_BT, batch.logp_rollout_BT, batch.response_mask_BT,
-                                             mode=rl.rollout_correction, upper=rl.rollout_correction_upper,
-                                             lower=rl.rollout_correction_lower)
+                                             mode=rollout.rollout_correction, upper=rollout.rollout_correction_upper,
+                                             lower=rollout.rollout_correction_lower)
     return is_weights_BT, {key: float(value) for key, value in corr.items()}
 
 
 def _kl_reward(ref_model, batch: RolloutBatch, logp_old_BT: torch.Tensor, rewards_B: torch.Tensor,
-               cfg: RunConfig) -> tuple[torch.Tensor, dict]:
-    """Stage 5: rewards minus the per-sequence KL to the reference (rl.kl_mode=reward); unchanged otherwise."""
-    rl = cfg.rl
-    if ref_model is None or rl.kl_coef <= 0 or rl.kl_mode != "reward":
+               objective: RLObjective, temperature: float) -> tuple[torch.Tensor, dict]:
+    """Stage 5: rewards minus the per-sequence KL to the reference (kl_mode=reward); unchanged otherwise.
+    ``temperature``: the rollout's, at which the reference's log-probs are taken."""
+    if ref_model is None or objective.kl_coef <= 0 or objective.kl_mode != "reward":
         return rewards_B, {}
     with torch.no_grad():
         ref_BT = token_logprobs(forward_logits(ref_model, batch.input_ids_BS, batch.attention_mask_BS).logits,
-                                batch.input_ids_BS, rl.temperature)
-    kl_B = (kl_penalty(logp_old_BT, ref_BT, batch.response_mask_BT, rl.kl_kind)).sum(-1)
-    return rewards_B - rl.kl_coef * kl_B, {"kl/ref_reward_penalty": float(kl_B.mean())}
+                                batch.input_ids_BS, temperature)
+    kl_B = (kl_penalty(logp_old_BT, ref_BT, batch.response_mask_BT, objective.kl_kind)).sum(-1)
+    return rewards_B - objective.kl_coef * kl_B, {"kl/ref_reward_penalty": float(kl_B.mean())}
 
 
-def _advantages(rewards_B: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
+def _advantages(rewards_B: torch.Tensor, objective: RLObjective, group_size: int) -> torch.Tensor:
     """Stage 6: group-normalised advantages of the (possibly KL-penalised) rewards."""
-    rl = cfg.rl
-    return group_advantages(rewards_B, rl.group_size, std_normalize=rl.std_normalize, reward_clip=rl.reward_clip,
-                            adv_clip=rl.adv_clip, whiten=rl.whiten)
+    return group_advantages(rewards_B, group_size, std_normalize=objective.std_normalize,
+                            reward_clip=objective.reward_clip, adv_clip=objective.adv_clip, whiten=objective.whiten)
 
 
 def _task_metrics(task, group_prompts: list[str], rewards_B: torch.Tensor, old_trace: Trace | None,
@@ -206,16 +206,20 @@ def _task_metrics(task, group_prompts: list[str], rewards_B: torch.Tensor, old_t
 def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, prompts: list[str],
             first_group: int = 0) -> StepData:
     """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages.
-    ``first_group``: the index of prompts[0] in the step's batch (a rank's share of it under torchrun)."""
+    ``first_group``: the index of prompts[0] in the step's batch (a rank's share of it under torchrun).
+    Each stage gets the sections it reads."""
+    objective, rollout, group_size = cfg.rl.section("objective"), cfg.rl.section("rollout"), cfg.rl.group_size
     t0 = time.perf_counter()
-    group_prompts, batch = _rollout(rollout_policy, task, cfg, prompts, step, first_group)
+    group_prompts, batch = _rollout(rollout_policy, task, rollout, prompts, seed=cfg.seed, group_size=group_size,
+                                    predictive=REPLAY_SPECS[cfg.rl.replay].predictor, step=step,
+                                    first_group=first_group)
     rewards_B = _rewards(task, group_prompts, batch)
     t1 = time.perf_counter()
-    metrics = _reward_metrics(rewards_B, cfg.rl.group_size, batch)
+    metrics = _reward_metrics(rewards_B, group_size, batch)
     logp_old_BT, old_trace, mismatch = _old_logp(policy, batch, cfg, step)
-    is_weights_BT, corr = _correction(batch, logp_old_BT, cfg)
-    rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, cfg)
-    adv_B = _advantages(rewards_B, cfg)
+    is_weights_BT, corr = _correction(batch, logp_old_BT, rollout)
+    rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, objective, rollout.temperature)
+    adv_B = _advantages(rewards_B, objective, group_size)
     metrics.update({**mismatch, **corr, **kl, "perf/rollout_s": t1 - t0, "perf/old_s": time.perf_counter() - t1})
     if old_trace is not None:  # token id at trace column t is input_ids[:, t] (forward_logits drops the last)
         metrics.update(specialization(old_trace, batch.input_ids_BS[:, :old_trace.seq_len], batch.response_mask_BT))

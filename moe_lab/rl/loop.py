@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moe_lab.config import ConfigError, RunConfig, dump_yaml, validate
-from moe_lab.config.rl import RLCollapse
+from moe_lab.config.rl import RLCollapse, RLRollout
 from moe_lab.models import load_model, resolve_device
 from moe_lab.models.numerics_fast import rollout_numerics
 from moe_lab.rl import checkpoint, seeds
@@ -121,18 +121,19 @@ def _setup(cfg: RunConfig, progress: bool) -> tuple:
     ref_model = None
     if cfg.rl.kl_coef > 0:
         ref_model = copy.deepcopy(policy).requires_grad_(False)
-    return task, Trainee(policy, make_rollout_policy(policy, cfg.rl), ref_model,
+    return task, Trainee(policy, make_rollout_policy(policy, cfg.rl.section("rollout")), ref_model,
                          build_optimizer(policy, cfg.rl.section("schedule")), components)
 
 
-def make_rollout_policy(policy, rl):
+def make_rollout_policy(policy, rollout: RLRollout):
     """The model the rollouts sample from: ``policy`` itself, or a copy of it in the rollout dtype (bf16, or fp32
-    with float8 GEMMs), lagged (rl.rollout_lag) or with batch-variant kernels (rl.rollout_kernels). The numerics
-    (moe_lab/models/numerics.py) replace the copy's forwards only, never the policy's."""
-    numerics = rollout_numerics(rl.rollout_dtype, rl.rollout_kernels)
-    if rl.rollout_dtype == "float32" and rl.rollout_lag == 0 and not numerics.active:
+    with float8 GEMMs), lagged (rollout_lag) or with batch-variant kernels (rollout_kernels). The numerics
+    (moe_lab/models/numerics.py) replace the copy's forwards only, never the policy's. ``rollout``: the run's
+    rollout section (the whole rl settings carry the same fields)."""
+    numerics = rollout_numerics(rollout.rollout_dtype, rollout.rollout_kernels)
+    if rollout.rollout_dtype == "float32" and rollout.rollout_lag == 0 and not numerics.active:
         return policy
-    dtype = torch.bfloat16 if rl.rollout_dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if rollout.rollout_dtype == "bfloat16" else torch.float32
     return numerics.install(copy.deepcopy(policy).to(dtype).requires_grad_(False))
 
 

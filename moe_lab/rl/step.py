@@ -22,6 +22,7 @@ from moe_lab.algos.losses import kl_penalty, masked_mean, policy_loss
 from moe_lab.algos.objectives import knob_names
 from moe_lab.algos.ratio_metrics import nan_decomposition, ratio_decomposition
 from moe_lab.config import RunConfig, resolved_clip
+from moe_lab.config.rl import RLObjective, RLSchedule
 from moe_lab.rl import seeds
 from moe_lab.rl.collect import StepData, collect, routing_ctx, train_precision
 from moe_lab.rl.components import Trainee, UpdateContext
@@ -85,34 +86,36 @@ def _routing_row(ref: Trace | None, used: Trace, latent: Trace, mask: torch.Tens
     return out
 
 
-def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, cfg: RunConfig,
+def _loss_terms(policy, ref_model, data: StepData, idx_B: torch.Tensor, objective: RLObjective, temperature: float,
                 shift: RouterShift | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """Forward one minibatch (routing regime already in force): the total loss, its metrics and the
-    forward's token log-probs (detached)."""
-    rl, b = cfg.rl, data.batch
+    forward's token log-probs (detached). ``objective``: the run's objective section; ``temperature``: the
+    rollout's, at which every log-prob of the step is taken."""
+    b = data.batch
     ids, attn, mask = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B], b.response_mask_BT[idx_B]
-    out = forward_logits(policy, ids, attn, output_router_logits=rl.aux_loss_coef > 0)
-    logp_BT = token_logprobs(out.logits, ids, rl.temperature)
+    out = forward_logits(policy, ids, attn, output_router_logits=objective.aux_loss_coef > 0)
+    logp_BT = token_logprobs(out.logits, ids, temperature)
     gamma_BT = shift.gamma_BT() if shift is not None else None  # this forward's router vs the old routing's
-    low, high = resolved_clip(rl)
+    low, high = resolved_clip(objective)
     is_weights_BT = None if data.is_weights_BT is None else data.is_weights_BT[idx_B]
     # router_gamma_BT: RSPO's router-shift weight; every other objective ignores it.
     # the objective's own knobs: the rl.<prefix>_<field> fields its registry entry declares
-    knobs = {name: getattr(rl, name) for name in knob_names(rl.algo)}
-    loss, metrics = policy_loss(logp_BT, data.logp_old_BT[idx_B], data.adv_B[idx_B], mask, algo=rl.algo,
-                                clip_low=low, clip_high=high, loss_agg=rl.loss_agg, dual_clip_c=rl.dual_clip_c,
-                                norm_len=data.norm_len, router_gamma_BT=gamma_BT, is_weights_BT=is_weights_BT, **knobs)
+    knobs = {name: getattr(objective, name) for name in knob_names(objective.algo)}
+    loss, metrics = policy_loss(logp_BT, data.logp_old_BT[idx_B], data.adv_B[idx_B], mask, algo=objective.algo,
+                                clip_low=low, clip_high=high, loss_agg=objective.loss_agg,
+                                dual_clip_c=objective.dual_clip_c, norm_len=data.norm_len, router_gamma_BT=gamma_BT,
+                                is_weights_BT=is_weights_BT, **knobs)
     metrics = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))  # one sync, not one per metric
-    if ref_model is not None and rl.kl_coef > 0 and rl.kl_mode == "loss":
+    if ref_model is not None and objective.kl_coef > 0 and objective.kl_mode == "loss":
         with torch.no_grad():
-            ref_BT = token_logprobs(forward_logits(ref_model, ids, attn).logits, ids, rl.temperature)
-        kl = masked_mean(kl_penalty(logp_BT, ref_BT, mask, rl.kl_kind), mask)
-        loss = loss + rl.kl_coef * kl
+            ref_BT = token_logprobs(forward_logits(ref_model, ids, attn).logits, ids, temperature)
+        kl = masked_mean(kl_penalty(logp_BT, ref_BT, mask, objective.kl_kind), mask)
+        loss = loss + objective.kl_coef * kl
         metrics["kl/ref"] = float(kl.detach())
-    if rl.aux_loss_coef > 0:
-        loss = loss + rl.aux_loss_coef * out.aux_loss
+    if objective.aux_loss_coef > 0:
+        loss = loss + objective.aux_loss_coef * out.aux_loss
         metrics["routing/aux_loss"] = float(out.aux_loss.detach())
-    metrics["policy/entropy"] = float(masked_mean(token_entropy(out.logits, rl.temperature), mask))
+    metrics["policy/entropy"] = float(masked_mean(token_entropy(out.logits, temperature), mask))
     return loss, metrics, logp_BT.detach()
 
 
@@ -134,39 +137,42 @@ def router_grad_norm(policy) -> float:
     return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
 
 
-def _decomp_clip(rl) -> tuple[float, float]:
+def _decomp_clip(objective: RLObjective) -> tuple[float, float]:
     """Clip range of ratio/route_clip_exit_frac: the run's for token-ratio clips, else GRPO's paper range."""
-    return resolved_clip(rl) if rl.algo in C.TOKEN_CLIP_ALGOS else C.PAPER_CLIP[C.BASELINE_ALGO]
+    return resolved_clip(objective) if objective.algo in C.TOKEN_CLIP_ALGOS else C.PAPER_CLIP[C.BASELINE_ALGO]
 
 
-def _decomposition(policy, data: StepData, idx_B: torch.Tensor, forced: Trace | None, ref: Trace | None,
-                   logp_BT: torch.Tensor, cfg: RunConfig, step: int, update_idx: int) -> dict[str, float]:
+def _decomposition(ctx: UpdateContext, forced: Trace | None, ref: Trace | None, logp_BT: torch.Tensor,
+                   objective: RLObjective) -> dict[str, float]:
     """ratio/d_route_*, d_weight_*: the update forward's log-probs plus one no-grad forward under the routing
     it did not use (the reference when it routed freely, the router's own choice when it replayed the
     reference), same weights (before optimizer.step()), same autocast. Its router noise has its own
     generator and fork_rng keeps any global-RNG draw (dropout, jitter) out of the training streams."""
+    cfg, policy, data, idx_B, update_idx = ctx.cfg, ctx.policy, ctx.data, ctx.idx_B, ctx.index
     every = cfg.rl.decomp_every
     if ref is None or every == 0 or (update_idx + 1) % every:  # every N-th update: the N-th, 2N-th, ...
         return nan_decomposition()
     b = data.batch
     ids, attn = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B]
-    gen = seeds.decomposition_generator(cfg.seed, step, update_idx)
+    gen = seeds.decomposition_generator(cfg.seed, ctx.step, update_idx)
     cuda = [logp_BT.device] if logp_BT.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
             routing_ctx(policy, ref if forced is None else None, cfg, gen), train_precision(policy, cfg):
         other_BT = token_logprobs(forward_logits(policy, ids, attn).logits, ids, cfg.rl.temperature)
     free_BT, ref_BT = (logp_BT, other_BT) if forced is None else (other_BT, logp_BT)
     return ratio_decomposition(free_BT, ref_BT, data.logp_old_BT[idx_B], b.response_mask_BT[idx_B],
-                               *_decomp_clip(cfg.rl))
+                               *_decomp_clip(objective))
 
 
 def update(ctx: UpdateContext) -> dict[str, float]:
     """One optimizer step on the minibatch ctx.idx_B (indices into the rollout batch); returns its metrics (the
-    update's row of the results table). ``ctx.components``: the run's stateful extras (moe_lab.rl.components)."""
+    update's row of the results table). ``ctx.components``: the run's stateful extras (moe_lab.rl.components).
+    The loss gets the objective section, the learning rate and the gradient clip the schedule's."""
     t0 = time.perf_counter()
     policy, optimizer, data, idx_B, cfg, step, update_idx = (ctx.policy, ctx.optimizer, ctx.data, ctx.idx_B, ctx.cfg,
                                                             ctx.step, ctx.index)
-    lr = set_lr(optimizer, cfg.rl.section("schedule"), update_idx)
+    objective, schedule = cfg.rl.section("objective"), cfg.rl.section("schedule")
+    lr = set_lr(optimizer, schedule, update_idx)
     gen = seeds.update_generator(cfg.seed, step, update_idx)
     optimizer.zero_grad(set_to_none=True)
     # backward runs inside the routing context: under gradient checkpointing the recomputed forward
@@ -181,9 +187,10 @@ def update(ctx: UpdateContext) -> dict[str, float]:
             ctx.components.update_context(ctx) as handles:
         shift = RouterShift(ref, current, mask)
         with train_precision(policy, cfg):
-            loss, metrics, logp_BT = _loss_terms(policy, ctx.ref_model, data, idx_B, cfg, shift)
-        grad_norm, router_norm = _backward(policy, loss, cfg.rl.grad_clip)
-    metrics.update(_decomposition(policy, data, idx_B, forced, ref, logp_BT, cfg, step, update_idx))
+            loss, metrics, logp_BT = _loss_terms(policy, ctx.ref_model, data, idx_B, objective, cfg.rl.temperature,
+                                                 shift)
+        grad_norm, router_norm = _backward(policy, loss, schedule.grad_clip)
+    metrics.update(_decomposition(ctx, forced, ref, logp_BT, objective))
     if math.isfinite(grad_norm):
         optimizer.step()
     used, latent = (handle, handle) if forced is None else (handle.used, handle.latent)  # as in _old_pass
@@ -207,9 +214,9 @@ def minibatch_indices(n: int, minibatches: int, seed: int, step: int, epoch: int
     return list(perm.chunk(minibatches))  # CPU index tensors: valid for CPU and CUDA tensors alike
 
 
-def updates_per_step(cfg: RunConfig) -> int:
+def updates_per_step(schedule: RLSchedule) -> int:
     """Optimizer steps on one rollout batch: the first is on-policy, the other ones are stale."""
-    return cfg.rl.epochs * cfg.rl.minibatches
+    return schedule.epochs * schedule.minibatches
 
 
 class SingleProcess:
@@ -258,9 +265,9 @@ def rl_step(trainee: Trainee, task, cfg: RunConfig, step: int, prompts: list[str
             split: StepSplit | None = None) -> list[dict]:
     """Collect one rollout batch and run epochs x minibatches updates over ``split`` (default: the plain
     run's ``SingleProcess``); one row per update, the same on every process. Step ``step``'s first update is the
-    run's ``step * updates_per_step(cfg)``-th."""
+    run's ``step * updates_per_step(schedule)``-th."""
     split = split or SingleProcess()
-    first_update = step * updates_per_step(cfg)
+    first_update = step * updates_per_step(cfg.rl.section("schedule"))
     policy, parts = trainee.policy, trainee.components
     t0 = time.perf_counter()
     data, batch_metrics, tokens = split.collect(policy, trainee.rollout_policy, trainee.ref_model, task, cfg, step,
