@@ -154,6 +154,33 @@ def summary_lines(summary: dict, per_layer: list[dict]) -> list[str]:
     return lines
 
 
+def plot(per_layer: list[dict], summary: dict, path: Path) -> None:
+    """The figure: per MoE layer, the share of activated experts that changed (the paper's routing-volatility
+    figure) and of positions with any change, and the router shift beside it."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no display backend
+
+    layers = [row["layer"] for row in per_layer]
+    x = list(range(len(layers)))
+    fig = Figure(figsize=(max(6.0, 0.35 * len(layers) + 3.0), 5.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    width = 0.4
+    top.bar([i - width / 2 for i in x], [row["expert_change"] for row in per_layer], width, label="expert_change")
+    top.bar([i + width / 2 for i in x], [row["any_change"] for row in per_layer], width, label="any_change")
+    top.axhline(summary["expert_change"], color="black", lw=1, ls="--",
+                label=f"expert_change, all layers: {summary['expert_change']:.4f}")
+    top.set_ylabel("share changed")
+    top.set_ylim(0, 1.3)  # room above the bars for the legend
+    top.legend(fontsize=8, ncols=3, loc="upper center")
+    top.set_title(f"{summary['family']}: routing volatility over {summary['response_tokens']} response tokens\n"
+                  f"log-ratio variance {summary['logratio_var']:.3g}, routing share of it "
+                  f"{summary['routing_share']:.2f}", fontsize=9)
+    bottom.bar(x, [row["router_shift"] for row in per_layer], 0.6, color="tab:green")
+    bottom.set_ylabel("router shift")
+    bottom.set_xlabel("decoder layer (MoE layers)")
+    bottom.set_xticks(x, [str(layer) for layer in layers])
+    fig.savefig(path, dpi=120)
+
+
 def _tokenize(old: Path, texts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -167,7 +194,7 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"moe-lab volatility: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    from moe_lab.audit import volatility_plot, volatility_run
+    from moe_lab.audit import volatility_run
 
     prompts = checked.prompts
     if prompts and isinstance(prompts[0], str):
@@ -177,6 +204,6 @@ def main(args) -> int:
                                 dtype=DTYPES[args.dtype], device=args.device)
     checked.out.mkdir(parents=True, exist_ok=True)
     volatility_run.write(result, checked.out)
-    volatility_plot.plot(result.per_layer, result.summary, checked.out / "volatility.png")
+    plot(result.per_layer, result.summary, checked.out / "volatility.png")
     print("\n".join(summary_lines(result.summary, result.per_layer)))
     return 0
