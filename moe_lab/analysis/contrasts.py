@@ -13,6 +13,18 @@ TOST (two one-sided tests) of |arm - vs| < margin uses the cold-start-level esti
 of freedom; its p is the larger one-sided p, and it is below 0.05 exactly when the 90% interval lies inside
 (-margin, margin). Holm's step-down adjustment runs over the primary contrasts of every setting together, each
 entering with the p of its declared hypothesis (the difference test, or TOST where a margin is declared).
+
+A contrast declared with ``endpoint: collapse`` compares collapse rates (its own table, ``COLLAPSE``). Per cold start,
+each arm's rate is the share of its RL seeds whose run a collapse rule stopped, and the cold start's value is the
+difference of the rates (or of the differences, for an interaction). The test is the exact sign-flip permutation test
+over cold starts (stats.SignFlips): all 2^m sign flips of the m per-cold-start differences, two-sided p = the share
+whose |sum| is at least the observed one, a zero difference flipping to itself. The estimate is the mean difference
+over cold starts; its 95% interval inverts the same test (Hartigan's subset means under the shift model: the
+per-cold-start differences are the mean difference plus noise symmetric about 0), clipped to [-1, 1] ([-2, 2] for an
+interaction). With 5 cold starts or fewer no p reaches 0.05 and the interval is the whole range; where every cold
+start shows the same difference the interval is that one value (the test sees no spread: the Wilson intervals of
+`moe-lab report`'s collapse table say how loosely k of n runs bound each rate). TOST at a declared margin is the
+larger one-sided sign-flip p at -margin and +margin. Its primary rows join the Holm family of the primary endpoint.
 """
 
 from __future__ import annotations
@@ -24,24 +36,50 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.analysis.endpoints import format_p, load_comparison
-from moe_lab.analysis.stats import (block_diffs, cold_start_level, combination_cells, conditional, holm,
+from moe_lab.analysis.stats import (SignFlips, block_diffs, cold_start_level, combination_cells, conditional, holm,
                                     permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
-from moe_lab.launch.design import Contrast
+from moe_lab.launch.design import COLLAPSE, Contrast
 from moe_lab.launch.spec import parse_experiment
 from moe_lab.store.run_folder import as_results
+
+
+TABLES = ("primary", "secondary", COLLAPSE)
+"""the tables of declared contrasts: each contrast on the primary and the secondary endpoint, or on the collapse rate"""
+FAMILY = ("primary", COLLAPSE)
+"""the tables whose primary rows Holm adjusts together: the family fixed before the runs"""
 
 
 # --------------------------------------------------------------------------- the declared contrasts
 
 
-def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
+def _head(runs: pd.DataFrame, setting: str, c: Contrast) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    """The columns every row shares, and the runs of the contrast's two sides."""
     weights = c.weights()
     plus = runs[runs["arm_base"].map(weights) > 0]  # the arm side: arm (and minus.vs in an interaction)
     neg = runs[runs["arm_base"].map(weights) < 0]
     arm, vs = c.sides()
-    row = {"setting": setting, "arm": arm, "vs": vs, "role": c.role, "margin": c.margin,
-           "n": len(plus), "n_vs": len(neg), "collapsed": int(plus["collapsed"].sum()),
-           "collapsed_vs": int(neg["collapsed"].sum())}
+    return {"setting": setting, "arm": arm, "vs": vs, "role": c.role, "margin": c.margin,
+            "n": len(plus), "n_vs": len(neg), "collapsed": int(plus["collapsed"].sum()),
+            "collapsed_vs": int(neg["collapsed"].sum())}, plus, neg
+
+
+def _collapse_row(runs: pd.DataFrame, setting: str, c: Contrast) -> dict:
+    row, _, _ = _head(runs, setting, c)
+    weights = c.weights()
+    both = runs[runs["arm_base"].isin(list(weights))]
+    cells = combination_cells(both["collapsed"].astype(float), both["arm_base"], both["block"], weights)
+    per_block = block_diffs(cells)  # per cold start: the weighted combination of the arms' collapse rates
+    test = SignFlips(list(per_block.values()))
+    widest = sum(w for w in weights.values() if w > 0)  # rates lie in [0, 1]: the combination within +-widest
+    (lo, hi), (lo90, hi90) = (test.interval(level, (-widest, widest)) for level in (0.95, 0.90))
+    row.update(diff=test.diff, lo=lo, hi=hi, p=test.p(), exact=test.exact, blocks=len(cells), lo90=lo90, hi90=hi90,
+               tost_p=test.tost(c.margin) if c.margin else math.nan, per_block={str(k): d for k, d in per_block.items()})
+    return row
+
+
+def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
+    weights = c.weights()
+    row, plus, neg = _head(runs, setting, c)
     both = runs[runs["arm_base"].isin(list(weights))]
     cells = combination_cells(both[column], both["arm_base"], both["block"], weights)
     level, cond = cold_start_level(cells), conditional(cells)
@@ -59,41 +97,69 @@ def _one(runs: pd.DataFrame, setting: str, c: Contrast, column: str) -> dict:
     return row
 
 
-def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], column: str = "primary") -> pd.DataFrame:
-    """One row per declared contrast and setting (both arms present): the difference with its cold-start-level
-    95% interval, p and df (``diff, se, df, lo, hi, p``), the 90% interval and TOST p where a margin is declared,
-    the p of the declared hypothesis, Holm-adjusted over the primary rows (on the primary endpoint only: the
-    family fixed before the runs; n/a on another endpoint); the interval conditional on these cold
-    starts (``cond_*``); the per-cold-start differences and the run-level Welch/permutation figures."""
+def _table(per_run: pd.DataFrame, contrasts: Sequence[Contrast], column: str) -> pd.DataFrame:
     rows = []
     for setting, runs in per_run.groupby("setting", sort=False):
         arms = set(runs["arm_base"])
-        rows += [_one(runs, setting, c, column) for c in contrasts if set(c.weights()) <= arms]
+        rows += [_collapse_row(runs, setting, c) if column == COLLAPSE else _one(runs, setting, c, column)
+                 for c in contrasts if set(c.weights()) <= arms]
     table = pd.DataFrame(rows)
     if not len(table):
         return table
-    half90 = t_half_width(table["se"], table["df"].astype(float), 0.95)
-    table["lo90"], table["hi90"] = table["diff"] - half90, table["diff"] + half90
-    table["tost_p"] = [tost_p(d, se, df, m) if m > 0 else math.nan
-                       for d, se, df, m in zip(table["diff"], table["se"], table["df"], table["margin"].fillna(0))]
+    if column != COLLAPSE:
+        half90 = t_half_width(table["se"], table["df"].astype(float), 0.95)
+        table["lo90"], table["hi90"] = table["diff"] - half90, table["diff"] + half90
+        table["tost_p"] = [tost_p(d, se, df, m) if m > 0 else math.nan for d, se, df, m in
+                           zip(table["diff"], table["se"], table["df"], table["margin"].fillna(0))]
     table["hypothesis_p"] = np.where(table["margin"].notna(), table["tost_p"], table["p"])
-    primary = table["role"] == "primary"
     table["holm_p"] = math.nan
-    if column == "primary":  # the family Holm controls: the primary contrasts on the primary endpoint, no other
-        table.loc[primary, "holm_p"] = holm(table.loc[primary, "hypothesis_p"].tolist())
     return table
 
 
-def load_declared(results, column: str = "primary", per_run: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The declared contrasts of a results folder (its experiment.yaml's ``contrasts:``), on ``column``; an
-    empty frame when the file declares none. ``per_run``: the folder's endpoints when the caller has them
+def declared_tables(per_run: pd.DataFrame, contrasts: Sequence[Contrast],
+                    columns: Sequence[str] = TABLES) -> dict[str, pd.DataFrame]:
+    """column -> its table of declared contrasts (``TABLES``; an empty frame where none is declared). Holm adjusts
+    the primary rows of the primary endpoint and of the collapse rate together, whichever tables are asked for (the
+    family is fixed before the runs); rows outside it keep a NaN ``holm_p``."""
+    wanted = list(dict.fromkeys([*columns, *(FAMILY if set(columns) & set(FAMILY) else ())]))
+    tables = {}
+    for column in wanted:  # a table not asked for is computed for its primary rows only: their place in Holm
+        on = [c for c in contrasts if (c.endpoint == COLLAPSE) == (column == COLLAPSE)
+              and (column in columns or c.role == "primary")]
+        tables[column] = _table(per_run, on, column)
+    family = [(t, t["role"] == "primary") for column, t in tables.items() if column in FAMILY and len(t)]
+    adjusted = iter(holm([p for t, rows in family for p in t.loc[rows, "hypothesis_p"]]))
+    for t, rows in family:
+        t.loc[rows, "holm_p"] = [next(adjusted) for _ in range(int(rows.sum()))]
+    return {column: tables[column] for column in columns}
+
+
+def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], column: str = "primary") -> pd.DataFrame:
+    """One row per declared contrast and setting (both arms present) on ``column`` (``TABLES``). On an endpoint:
+    the difference with its cold-start-level 95% interval, p and df (``diff, se, df, lo, hi, p``), the 90%
+    interval and TOST p where a margin is declared, the p of the declared hypothesis, Holm-adjusted over the primary
+    rows (``declared_tables``); the interval conditional on these cold starts (``cond_*``); the per-cold-start
+    differences and the run-level Welch/permutation figures. On the collapse rate: ``diff, lo, hi, p, exact``
+    of the sign-flip test, ``lo90, hi90, tost_p``, the hypothesis and Holm p, the per-cold-start differences."""
+    return declared_tables(per_run, contrasts, (column,))[column]
+
+
+def load_declared_tables(results, per_run: pd.DataFrame | None = None,
+                         columns: Sequence[str] = TABLES) -> dict[str, pd.DataFrame]:
+    """The declared contrasts of a results folder (its experiment.yaml's ``contrasts:``), per column of
+    ``columns``; {} when the file declares none. ``per_run``: the folder's endpoints when the caller has them
     (``load_comparison``), so the runs are not read twice."""
     contrasts = list(parse_experiment(as_results(results).experiment()).contrasts)
     if not contrasts:
-        return pd.DataFrame()
+        return {}
     if per_run is None:
         _, per_run, _, _ = load_comparison(results)
-    return declared_contrasts(per_run, contrasts, column)
+    return declared_tables(per_run, contrasts, columns)
+
+
+def load_declared(results, column: str = "primary", per_run: pd.DataFrame | None = None) -> pd.DataFrame:
+    """``load_declared_tables`` of one column; an empty frame when the file declares no contrasts."""
+    return load_declared_tables(results, per_run, (column,)).get(column, pd.DataFrame())
 
 
 def _signed(x: float, digits: int = 3) -> str:
@@ -106,6 +172,8 @@ def _p(p: float) -> str:
 
 def format_declared(table: pd.DataFrame, column: str = "primary") -> str:
     """The declared-contrasts table `moe-lab compare` prints after the pairwise ones."""
+    if column == COLLAPSE:
+        return format_collapse(table)
     lines = [f"declared contrasts on the {column} endpoint, the cold start as the unit: difference, its 95% interval "
              "over cold starts (t on the per-cold-start differences, m - 1 df; what a new cold start would show), "
              "TOST where a margin is declared and Holm over the primary rows (primary endpoint only); beside it, "
@@ -116,13 +184,36 @@ def format_declared(table: pd.DataFrame, column: str = "primary") -> str:
              "per cold start | run-level Welch 95%, permutation p | collapsed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
-        eq = (f"±{r.margin:g}, [{_signed(r.lo90)}, {_signed(r.hi90)}], {_p(r.tost_p)}"
-              if isinstance(r.margin, float) and math.isfinite(r.margin) else "")
         blocks = ", ".join(f"{k}: {_signed(v)}" for k, v in r.per_block.items())
         lines.append(
             f"| {r.setting} | {r.arm} − {r.vs} | {r.role} | {r.n} vs {r.n_vs} | {r.blocks} | "
-            f"{_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}] | {r.df:.1f} | {_p(r.p)} | {eq} | "
+            f"{_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}] | {r.df:.1f} | {_p(r.p)} | {_equivalence(r)} | "
             f"{_p(r.holm_p)} | [{_signed(r.cond_lo)}, {_signed(r.cond_hi)}], {r.cond_df:.1f}, {_p(r.cond_p)} | "
             f"{blocks} | {_signed(r.welch_diff)} [{_signed(r.welch_lo)}, {_signed(r.welch_hi)}], "
             f"{_p(r.perm_p)} | {r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} |")
+    return "\n".join(lines)
+
+
+def _equivalence(r) -> str:
+    if not (isinstance(r.margin, float) and math.isfinite(r.margin)):
+        return ""
+    return f"±{r.margin:g}, [{_signed(r.lo90)}, {_signed(r.hi90)}], {_p(r.tost_p)}"
+
+
+def format_collapse(table: pd.DataFrame) -> str:
+    """The table of declared contrasts of the collapse rate."""
+    lines = ["declared contrasts of the collapse rate, the cold start as the unit: per cold start, each arm's share of "
+             "RL seeds whose run a collapse rule stopped; the mean over cold starts of the per-cold-start difference, "
+             "the exact two-sided sign-flip p over cold starts, the 95% interval that inverts it (subset means; "
+             "clipped to the range a rate difference can take), TOST where a margin is declared and Holm together "
+             "with the primary rows of the primary endpoint",
+             "", "| setting | contrast | role | collapsed | cold starts | rate difference, 95% sign-flip interval | "
+             "sign-flip p | equivalence: margin, 90% interval, TOST p | Holm p | per cold start |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        blocks = ", ".join(f"{k}: {_signed(v)}" for k, v in r.per_block.items())
+        lines.append(
+            f"| {r.setting} | {r.arm} − {r.vs} | {r.role} | {r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} | "
+            f"{r.blocks} | {_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}] | "
+            f"{_p(r.p)}{'' if r.exact else ' (MC)'} | {_equivalence(r)} | {_p(r.holm_p)} | {blocks} |")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Every statistic moe_lab reports, in one module (numpy/scipy/pandas only): t-intervals of a mean over runs
 (per group and step, per arm), Wilson intervals of collapse rates, the Kaplan-Meier survival of runs, and the
 statistics of `moe-lab compare`: a contrast between two arms run from the same cold starts (blocks), the
-run-level Welch interval and permutation p, TOST and Holm. Formulas in docs/metrics.md.
+run-level Welch interval and permutation p, TOST and Holm, and the exact sign-flip test over cold starts (a
+contrast of collapse rates, ``SignFlips``). Formulas in docs/metrics.md.
 
 Two intervals answer two questions, and `moe-lab compare` prints both, side by side, never one in place of the
 other (no model selection switches between them):
@@ -274,6 +275,57 @@ def pooled_combination(groups: Sequence[tuple[float, Sequence[float]]]) -> tuple
     df = total ** 2 / float(np.sum(var ** 2 / np.array([len(v) - 1 for _, v in parts], float)))
     iv = Interval.from_t(diff, math.sqrt(total), df)
     return diff, iv.lo, iv.hi
+
+
+class SignFlips:
+    """The sign-flip test of the mean of per-cold-start differences d_1..d_m (of collapse rates), exact over all
+    2^m sign vectors (past EXACT_LIMIT: MC_SAMPLES random ones, fixed generator, the observed one counted once
+    more). With no difference each d_j is symmetric about 0 (arms exchangeable within a cold start): the two-sided
+    p is the share of sign vectors with |sum s_j d_j| >= |sum d_j| (ties within 1e-9; a zero flips to itself).
+    The interval inverts the test under the shift model (d_j = mean difference + noise symmetric about 0): flipping
+    a subset S of d - delta keeps the sum as large exactly when mean_S(d) <= delta, so the bounds are order
+    statistics of the 2^m - 1 subset means (Hartigan 1969; no grid), clipped to the values the difference can
+    take. p <= alpha exactly when the 1 - alpha interval excludes 0; TOST is the larger one-sided p at -+margin."""
+
+    def __init__(self, diffs: Sequence[float]):
+        d = _finite(diffs)
+        self.m, self.diff, self.exact = len(d), float(d.mean()) if len(d) else math.nan, 2 ** len(d) <= EXACT_LIMIT
+        if self.exact:
+            sums, sizes = np.zeros(1), np.zeros(1)
+            for x in d:  # every subset: those without x, then the same with x
+                sums, sizes = np.r_[sums, sums + x], np.r_[sizes, sizes + 1]
+        else:
+            picks = np.random.default_rng(MC_SEED).random((MC_SAMPLES, len(d))) < 0.5
+            sums, sizes = picks @ d, picks.sum(axis=1).astype(float)
+        self._observed = 0 if self.exact else 1  # counted beside the random draws
+        self._total, self._sums, self._count = float(d.sum()), sums, len(sums) + self._observed
+        self._means = np.sort(sums[sizes > 0] / sizes[sizes > 0])
+        self._always = int((sizes == 0).sum()) + self._observed  # the empty flip: in every one-sided count
+
+    def p(self) -> float:
+        """The two-sided p of no difference."""
+        hits = np.abs(self._total - 2 * self._sums) >= abs(self._total) - 1e-9
+        return float((hits.sum() + self._observed) / self._count) if self.m else math.nan
+
+    def p_above(self, delta: float) -> float:
+        """One-sided p of H0: mean difference <= delta (small when the differences lie above delta)."""
+        return (self._always + int(np.searchsorted(self._means, delta, side="right"))) / self._count
+
+    def p_below(self, delta: float) -> float:
+        """One-sided p of H0: mean difference >= delta."""
+        return (self._always + len(self._means) - int(np.searchsorted(self._means, delta, side="left"))) / self._count
+
+    def interval(self, level: float = 0.95, bounds: tuple[float, float] = (-math.inf, math.inf)) -> tuple[float, float]:
+        """The equal-tailed ``level`` interval: every delta neither one-sided test rejects at (1 - level) / 2."""
+        if not self.m:
+            return math.nan, math.nan
+        k = math.floor((1 - level) / 2 * self._count - self._always) + 1  # subset means at or past a bound
+        lo, hi = (self._means[k - 1], self._means[-k]) if k >= 1 else (-math.inf, math.inf)
+        return max(float(lo), bounds[0]), min(float(hi), bounds[1])
+
+    def tost(self, margin: float) -> float:
+        """p of H0: |mean difference| >= margin (the larger one-sided p)."""
+        return max(self.p_above(-margin), self.p_below(margin)) if self.m else math.nan
 
 
 def t_half_width(se, df, quantile: float):

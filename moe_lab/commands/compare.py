@@ -1,6 +1,6 @@
 """`moe-lab compare RESULTS [--baseline ARM] [--csv]`: every pair of arms on the endpoints fixed before the
-runs, then the contrasts the experiment file declared, on the primary and then the secondary endpoint, the cold
-start as the unit (moe_lab/analysis/endpoints.py, analysis/contrasts.py).
+runs, then the contrasts the experiment file declared, on the primary and then the secondary endpoint, then those
+of the collapse rate, the cold start as the unit (moe_lab/analysis/endpoints.py, analysis/contrasts.py).
 
 Exit codes: 0 printed; 2 bad input. Notes (unfinished runs left out, an interim folder, a block mixing two
 models of one cold-start key) go to stderr, so the table stays machine-readable with --csv.
@@ -25,7 +25,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    from moe_lab.analysis.contrasts import format_declared, load_declared
+    from moe_lab.analysis.contrasts import format_declared, load_declared_tables
     from moe_lab.analysis.endpoints import format_comparison, load_comparison
 
     from moe_lab.store.run_folder import ResultsFolder
@@ -44,8 +44,8 @@ def main(args) -> int:
     for line in mixed_notes(folder.runs_dir):  # a block mixing two models of one cold-start key
         print(line, file=sys.stderr)
     print(pairs.to_csv(index=False).rstrip() if args.csv else format_comparison(spec, arms, pairs))
-    for column in ("primary", "secondary"):  # the contrasts the experiment file fixed before its runs, both
-        declared = load_declared(folder, column, per_run=per_run)  # endpoints at the cold-start level
+    # the contrasts the experiment file fixed before its runs, both endpoints and the collapse rate, by cold start
+    for column, declared in load_declared_tables(folder, per_run=per_run).items():
         if len(declared) and not args.csv:
             print("\n" + format_declared(declared, column))
     return 0

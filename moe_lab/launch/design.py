@@ -14,6 +14,13 @@ Holm-adjusted together; a contrast with ``equivalence_margin`` is also tested fo
       primary:   [{arm: gspo, vs: grpo_r2}, {arm: grpo_r2, vs: grpo, equivalence_margin: 0.05}]
       secondary: [{arm: grpo_r2w, vs: grpo_r2}]
 
+A contrast with ``endpoint: collapse`` compares the arms' collapse rates instead (the tertiary endpoint: per cold
+start, the share of an arm's RL seeds whose run a collapse rule stopped), by the exact sign-flip test over cold
+starts (analysis/stats.py, ``SignFlips``); primary ones join the same Holm family. Its margin, if any, is a
+difference of rates, below the largest the contrast can take (1; 2 for an interaction)::
+
+      primary:   [{arm: grpo, vs: grpo_r3, endpoint: collapse}]
+
 An **interaction** subtracts a second difference: ``{arm: A, vs: B, minus: {arm: C, vs: D}}`` is
 (A - B) - (C - D), taken per cold start like any contrast (for example R3 - R2 off-policy minus R3 - R2 on-policy)::
 
@@ -31,6 +38,8 @@ from typing import Any
 from moe_lab.config import ConfigError
 
 ROLES = ("primary", "secondary")
+COLLAPSE = "collapse"
+"""``endpoint:`` of a contrast of collapse rates (the name endpoints.tertiary gives the endpoint)"""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class Contrast:
     """equivalence margin: TOST of |arm - vs| < margin; None = difference test only"""
     minus: tuple[str, str] | None = None
     """(arm, vs) of a second difference subtracted: the interaction (arm - vs) - (minus.arm - minus.vs)"""
+    endpoint: str | None = None
+    """COLLAPSE: the collapse rate; None: the primary and secondary endpoints"""
 
     def weights(self) -> dict[str, float]:
         """arm base -> its weight in the contrast: +1, -1 (and -1, +1 for the subtracted difference)."""
@@ -118,9 +129,9 @@ def _minus(where: str, item: Any, arms: set[str]) -> tuple[str, str] | None:
 def _contrast(role: str, item: Any, arms: set[str]) -> Contrast:
     where = f"contrasts.{role}"
     if not isinstance(item, dict) or not {"arm", "vs"} <= set(item) \
-            or set(item) - {"arm", "vs", "minus", "equivalence_margin"}:
+            or set(item) - {"arm", "vs", "minus", "equivalence_margin", "endpoint"}:
         raise ConfigError(f"{where}: expected entries {{arm: A, vs: B[, minus: {{arm: C, vs: D}}]"
-                          f"[, equivalence_margin: m]}}, got {item!r}")
+                          f"[, equivalence_margin: m][, endpoint: {COLLAPSE}]}}, got {item!r}")
     arm, vs = (_arm_name(f"{where}.{key}", item[key], arms) for key in ("arm", "vs"))
     if arm == vs:
         raise ConfigError(f"{where}: arm and vs are both {arm!r}")
@@ -132,7 +143,16 @@ def _contrast(role: str, item: Any, arms: set[str]) -> Contrast:
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                or not 0 < margin < math.inf):
         raise ConfigError(f"{where}.equivalence_margin: allowed a number > 0, got {margin!r}")
-    return Contrast(arm, vs, role, None if margin is None else float(margin), minus)
+    endpoint = item.get("endpoint")
+    if endpoint is not None and endpoint != COLLAPSE:
+        raise ConfigError(f"{where}.endpoint={endpoint!r}: allowed {COLLAPSE!r} (the collapse rate); without it the "
+                          "contrast is on the primary and secondary endpoints")
+    widest = 2 if minus else 1  # the largest |difference| of collapse rates the contrast can take
+    if endpoint == COLLAPSE and margin is not None and margin >= widest:
+        raise ConfigError(f"{where}.equivalence_margin={margin!r}: a contrast of collapse rates lies within "
+                          f"[-{widest}, {widest}], so this margin holds whatever the runs show; allowed a number in "
+                          f"(0, {widest})")
+    return Contrast(arm, vs, role, None if margin is None else float(margin), minus, endpoint)
 
 
 def contrasts_spec(exp: dict | None) -> list[Contrast]:
