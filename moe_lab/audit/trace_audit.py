@@ -3,7 +3,7 @@ on disk) and the in-loop API (replay_check: a batch in memory), so that both giv
 same faults and the same agreement from one piece of code.
 
 ``run_check`` runs the model teacher-forced on each sequence with its routing recorded, compares the routes
-with the model's own choices (trace_report, trace_faults), then replays the routes (R3) and checks the experts
+with the model's own choices (trace_report), then replays the routes (R3) and checks the experts
 that ran. Torch and the model code are imported inside the functions: importing this module (and
 ``moe_lab.audit``, which exports replay_check) needs neither.
 """
@@ -44,7 +44,6 @@ def run_check(sequences: list, model: Any, config: dict, device: Any) -> tuple[l
 def check(sequences: list, model: Any, config: dict, device: Any, options: Any = None) -> CheckReport:
     """The check of sequences already read; ``options``: trace_mismatch.MismatchOptions (None: defaults)."""
     import moe_lab.audit.trace_report as rep
-    from moe_lab.audit.trace_faults import verdict
     from moe_lab.audit.trace_mismatch import MismatchOptions, mismatch_report
     from moe_lab.audit.trace_mismatch import report_lines as mismatch_lines
     from moe_lab.audit.trace_run import forced_trace, free_pass, replay_pass
@@ -70,7 +69,7 @@ def check(sequences: list, model: Any, config: dict, device: Any, options: Any =
         faults.append(("duplicate-ids", f"{t.duplicates} slots repeat an expert within one token's top-k"))
     if not int(t.usable_L.sum()):
         faults.append(("no-routes", "no (layer, position) slot of any sequence carries a usable route"))
-    faults = verdict(checked, t, E, faults + rep.shift_faults(checked, E, t.agreement))
+    faults = rep.verdict(checked, t, E, faults + rep.shift_faults(checked, E, t.agreement))
     for c, at in zip(checked, logp_from):
         c.replayed = replay_pass(model, c.seq.tokens, forced_trace(c.seq, c.free.ids_LSK, E, family), device, at)
     replay_line, fault = rep.replay_fault(checked, E)
