@@ -181,14 +181,15 @@ class Components:
 
     @classmethod
     def build(cls, rl) -> "Components":
-        """The parts a run's RL settings ask for (none for a plain run), each handed its section."""
+        """The parts a run's RL settings ask for (none for a plain run), each asked for and handed by its section."""
+        bias, replay_section, rollout = rl.section("bias"), rl.section("replay"), rl.section("rollout")
         parts = []
-        if rl.bias_update_rate:
-            parts.append(BiasUpdates(rl.section("bias")))
-        if REPLAY_SPECS[rl.replay].predictor:
-            parts.append(RoutePredictor(rl.section("replay")))
-        if rl.rollout_lag:
-            parts.append(RolloutLag(rl.section("rollout")))
+        if bias.bias_update_rate:
+            parts.append(BiasUpdates(bias))
+        if REPLAY_SPECS[replay_section.replay].predictor:
+            parts.append(RoutePredictor(replay_section))
+        if rollout.rollout_lag:
+            parts.append(RolloutLag(rollout))
         return cls(tuple(parts))
 
     def install(self, policy) -> None:
