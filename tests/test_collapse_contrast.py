@@ -219,3 +219,27 @@ def test_compare_refuses_an_unknown_endpoint_before_reading_runs(tmp_path, capsy
     assert main(["compare", str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "contrasts.primary.endpoint='rate'" in err
+
+
+def test_report_shows_the_collapse_table_and_draws_it(tmp_path):
+    from moe_lab.analysis.report import build
+
+    folder = write_folder(tmp_path / "exp", {"primary": [{"arm": "grpo", "vs": "grpo_r3", "endpoint": COLLAPSE}],
+                                             "secondary": [{"arm": "grpo", "vs": "grpo_r3"}]})
+    report = build(folder)
+    rate = load_declared_tables(folder)[COLLAPSE]
+    assert "## Declared contrasts, collapse rate\n\n" + format_declared(rate, COLLAPSE) in report.text
+    assert rate.iloc[0]["holm_p"] == rate.iloc[0]["p"]  # the only primary row: a family of one
+    drawn = report.figures["report_contrasts.png"].axes
+    assert [ax.get_xlabel() for ax in drawn] == ["difference of the primary endpoint",
+                                                 "difference of the secondary endpoint",
+                                                 f"difference of the {COLLAPSE} endpoint"]
+
+
+def test_the_primary_table_says_when_its_holm_counts_the_collapse_rows():
+    runs = collapse_runs(PATTERN)
+    alone = format_declared(declared_contrasts(runs, [Contrast("grpo", "grpo_r3", "primary")]))
+    both = format_declared(declared_contrasts(runs, [Contrast("grpo", "grpo_r3", "primary"),
+                                                     Contrast("grpo", "grpo_r3", "primary", endpoint=COLLAPSE)]))
+    assert "Holm over the primary rows (primary endpoint only);" in alone
+    assert "(primary endpoint only, counted with the primary contrasts of the collapse rate)" in both

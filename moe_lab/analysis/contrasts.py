@@ -127,10 +127,12 @@ def declared_tables(per_run: pd.DataFrame, contrasts: Sequence[Contrast],
         on = [c for c in contrasts if (c.endpoint == COLLAPSE) == (column == COLLAPSE)
               and (column in columns or c.role == "primary")]
         tables[column] = _table(per_run, on, column)
-    family = [(t, t["role"] == "primary") for column, t in tables.items() if column in FAMILY and len(t)]
-    adjusted = iter(holm([p for t, rows in family for p in t.loc[rows, "hypothesis_p"]]))
-    for t, rows in family:
+    family = {column: (t, t["role"] == "primary") for column, t in tables.items() if column in FAMILY and len(t)}
+    adjusted = iter(holm([p for t, rows in family.values() for p in t.loc[rows, "hypothesis_p"]]))
+    joined = [column for column, (_, rows) in family.items() if rows.any()]
+    for t, rows in family.values():
         t.loc[rows, "holm_p"] = [next(adjusted) for _ in range(int(rows.sum()))]
+        t.attrs["holm_family"] = joined  # which tables' primary rows the Holm p counted (the headers say it)
     return {column: tables[column] for column in columns}
 
 
@@ -174,9 +176,11 @@ def format_declared(table: pd.DataFrame, column: str = "primary") -> str:
     """The declared-contrasts table `moe-lab compare` prints after the pairwise ones."""
     if column == COLLAPSE:
         return format_collapse(table)
+    family = ("primary endpoint only" if COLLAPSE not in table.attrs.get("holm_family", ()) else
+              "primary endpoint only, counted with the primary contrasts of the collapse rate")
     lines = [f"declared contrasts on the {column} endpoint, the cold start as the unit: difference, its 95% interval "
              "over cold starts (t on the per-cold-start differences, m - 1 df; what a new cold start would show), "
-             "TOST where a margin is declared and Holm over the primary rows (primary endpoint only); beside it, "
+             f"TOST where a margin is declared and Holm over the primary rows ({family}); beside it, "
              "labelled, the 95% interval conditional on these cold starts only (stratified Welch: run-to-run noise "
              "within them)",
              "", "| setting | contrast | role | n | cold starts | difference, 95% over cold starts | df | p | "
@@ -205,8 +209,8 @@ def format_collapse(table: pd.DataFrame) -> str:
     lines = ["declared contrasts of the collapse rate, the cold start as the unit: per cold start, each arm's share of "
              "RL seeds whose run a collapse rule stopped; the mean over cold starts of the per-cold-start difference, "
              "the exact two-sided sign-flip p over cold starts, the 95% interval that inverts it (subset means; "
-             "clipped to the range a rate difference can take), TOST where a margin is declared and Holm together "
-             "with the primary rows of the primary endpoint",
+             "clipped to the range a rate difference can take), TOST where a margin is declared and Holm over the "
+             "primary rows, counted with the primary contrasts of the primary endpoint",
              "", "| setting | contrast | role | collapsed | cold starts | rate difference, 95% sign-flip interval | "
              "sign-flip p | equivalence: margin, 90% interval, TOST p | Holm p | per cold start |",
              "|---|---|---|---|---|---|---|---|---|---|"]

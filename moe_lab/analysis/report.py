@@ -2,7 +2,7 @@
 
 The statistics are the ones `moe-lab compare` prints (endpoints.py, contrasts.py: the declared contrasts at the
 cold-start level with the conditional interval labelled, TOST where a margin was declared, Holm), on both
-endpoints; an experiment that declared no contrasts gets the run-level table of every pair, labelled exploratory.
+endpoints, and the declared contrasts of collapse rates (the exact sign-flip test over cold starts); an experiment that declared no contrasts gets the run-level table of every pair, labelled exploratory.
 Then collapse counts with Wilson intervals, the descriptive tables of the metrics the file declares
 (``describe:``), the runs that raised the harness alarm (moe_lab/store/harness.py), the figures, and under
 "Conclusion" the file's ``verdict:``, printed only when every number in it appears in the generated tables (a
@@ -30,13 +30,13 @@ from matplotlib.figure import Figure
 
 from moe_lab.analysis import report_tables, run_fidelity
 from moe_lab.analysis.arm_traits import traits_of
-from moe_lab.analysis.contrasts import declared_contrasts, format_declared
+from moe_lab.analysis.contrasts import declared_tables, format_declared
 from moe_lab.analysis.endpoints import endpoints_head, format_arms, format_pairs, load_comparison
 from moe_lab.analysis.plots import STEP, arm_order, curves, figure_legend, new_figure, styled
 from moe_lab.analysis.stats import detectable_difference
 from moe_lab.analysis.tables import flatten, load_runs
 from moe_lab.config import ConfigError, dump_yaml
-from moe_lab.launch.design import Describe
+from moe_lab.launch.design import COLLAPSE, Describe
 from moe_lab.launch.progress import finished_of
 from moe_lab.launch.spec import Experiment, parse_experiment
 from moe_lab.store.run_folder import ResultsFolder, first_segments
@@ -178,11 +178,12 @@ def _contrast_sections(per_run: pd.DataFrame, exp: Experiment, pairs: pd.DataFra
                 "pair of arms at the run level (Welch 95% interval, permutation p), without correction for the "
                 "number of pairs; read it as exploratory unless an analysis fixed before the runs elsewhere says "
                 "otherwise (a LOG.md beside this page, where there is one).", "", *format_pairs(pairs)], {}
-    tables = {column: declared_contrasts(per_run, contrasts, column) for column in ("primary", "secondary")}
+    tables = declared_tables(per_run, contrasts)  # both endpoints and the collapse rate, one Holm family
     lines = []
     for column, table in tables.items():
         if len(table):
-            lines += [f"## Declared contrasts, {column} endpoint", "", format_declared(table, column), ""]
+            heading = "collapse rate" if column == COLLAPSE else f"{column} endpoint"
+            lines += [f"## Declared contrasts, {heading}", "", format_declared(table, column), ""]
     lines += _resolution(tables["primary"])
     margins = any(c.margin is not None for c in contrasts)
     lines.append("Equivalence: " + ("TOST at the declared margins (the table's equivalence column)." if margins else
