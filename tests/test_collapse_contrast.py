@@ -35,7 +35,8 @@ def brute_p(d, shift: float = 0.0, side: str = "two") -> float:
 
 def subset_means(d) -> np.ndarray:
     d = np.asarray(d, float)
-    return np.unique([d[list(c)].mean() for r in range(1, len(d) + 1) for c in itertools.combinations(range(len(d)), r)])
+    subsets = (list(c) for r in range(1, len(d) + 1) for c in itertools.combinations(range(len(d)), r))
+    return np.unique([d[c].mean() for c in subsets])
 
 
 EXAMPLES = [[0.5, 0.5, 0.0, 1.0, -0.5, 0.5], [1 / 3, 2 / 3, 0.0, -1 / 3, 1.0], [0.25, -0.75, 0.5, 0.5, 0.0, 0.25, 1.0],
@@ -133,7 +134,8 @@ def test_identical_arms_differ_by_0_with_0_inside_the_interval():
 def test_primary_collapse_rows_join_holm_with_the_primary_endpoint():
     runs = collapse_runs(PATTERN)
     on_rate = Contrast("grpo", "grpo_r3", "primary", endpoint=COLLAPSE)
-    on_acc, secondary = Contrast("grpo", "grpo_r3", "primary"), Contrast("grpo_r3", "grpo", "secondary", endpoint=COLLAPSE)
+    on_acc = Contrast("grpo", "grpo_r3", "primary")
+    secondary = Contrast("grpo_r3", "grpo", "secondary", endpoint=COLLAPSE)
     tables = declared_tables(runs, [on_acc, on_rate, secondary], ("primary", COLLAPSE))
     acc, rate = tables["primary"].iloc[0], tables[COLLAPSE]
     assert list(rate["role"]) == ["primary", "secondary"] and np.isnan(rate.iloc[1]["holm_p"])

@@ -73,7 +73,8 @@ def _collapse_row(runs: pd.DataFrame, setting: str, c: Contrast) -> dict:
     widest = sum(w for w in weights.values() if w > 0)  # rates lie in [0, 1]: the combination within +-widest
     (lo, hi), (lo90, hi90) = (test.interval(level, (-widest, widest)) for level in (0.95, 0.90))
     row.update(diff=test.diff, lo=lo, hi=hi, p=test.p(), exact=test.exact, blocks=len(cells), lo90=lo90, hi90=hi90,
-               tost_p=test.tost(c.margin) if c.margin else math.nan, per_block={str(k): d for k, d in per_block.items()})
+               tost_p=test.tost(c.margin) if c.margin else math.nan,
+               per_block={str(k): d for k, d in per_block.items()})
     return row
 
 

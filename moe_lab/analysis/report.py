@@ -2,7 +2,8 @@
 
 The statistics are the ones `moe-lab compare` prints (endpoints.py, contrasts.py: the declared contrasts at the
 cold-start level with the conditional interval labelled, TOST where a margin was declared, Holm), on both
-endpoints, and the declared contrasts of collapse rates (the exact sign-flip test over cold starts); an experiment that declared no contrasts gets the run-level table of every pair, labelled exploratory.
+endpoints, and the declared contrasts of collapse rates (the exact sign-flip test over cold starts); an experiment
+that declared no contrasts gets the run-level table of every pair, labelled exploratory.
 Then collapse counts with Wilson intervals, the descriptive tables of the metrics the file declares
 (``describe:``), the runs that raised the harness alarm (moe_lab/store/harness.py), the figures, and under
 "Conclusion" the file's ``verdict:``, printed only when every number in it appears in the generated tables (a
