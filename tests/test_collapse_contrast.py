@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from moe_lab.analysis.contrasts import declared_contrasts, declared_tables, format_declared, load_declared_tables
+from moe_lab.analysis.score_interval import RateCombination
 from moe_lab.analysis.stats import SignFlips, holm
 from moe_lab.config import ConfigError
 from moe_lab.launch.design import COLLAPSE, Contrast, contrasts_spec
@@ -51,6 +54,8 @@ def test_the_p_is_the_share_of_all_sign_vectors(d):
 
 
 def test_no_difference_anywhere_gives_p_1_and_the_interval_0():
+    # The sign-flip test alone: it sees no spread, so its interval is one point. The declared contrast's interval is
+    # wider (the union with Newcombe's: test_no_collapse_in_either_arm_is_no_evidence_of_equivalence).
     test = SignFlips([0.0] * 7)
     assert (test.diff, test.p(), test.interval()) == (0.0, 1.0, (0.0, 0.0))
 
@@ -94,6 +99,70 @@ def test_past_the_exact_limit_a_monte_carlo_p_estimates_the_exact_one():
     assert not test.exact and abs(test.p() - exact) < 0.01
 
 
+# --------------------------------------------------------------------------- the score interval of pooled rates
+
+Z95 = stats.norm.ppf(0.975)
+
+
+def wilson_ref(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson limits as the two roots pi of (k/n - pi)^2 = z^2 pi (1 - pi) / n (the quadratic written out)."""
+    p = k / n
+    a, b, c = 1 + z * z / n, -(2 * p + z * z / n), p * p
+    root = math.sqrt(b * b - 4 * a * c)
+    return (-b - root) / (2 * a), (-b + root) / (2 * a)
+
+
+def newcombe_ref(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> tuple[float, float]:
+    """Newcombe's hybrid score interval of k1/n1 - k2/n2 (1998, method 10), from the Wilson limits."""
+    (l1, u1), (l2, u2), d = wilson_ref(k1, n1, z), wilson_ref(k2, n2, z), k1 / n1 - k2 / n2
+    return (d - math.sqrt((k1 / n1 - l1) ** 2 + (u2 - k2 / n2) ** 2),
+            d + math.sqrt((u1 - k1 / n1) ** 2 + (k2 / n2 - l2) ** 2))
+
+
+# Newcombe (1998), Stat Med 17:873-890, Table II, method 10: (k1, n1, k2, n2) -> the published 95% limits.
+PUBLISHED = [((56, 70, 48, 80), (0.0524, 0.3339)), ((5, 56, 0, 29), (-0.0381, 0.1926)),
+             ((0, 10, 0, 20), (-0.1611, 0.2775))]
+
+
+@pytest.mark.parametrize("counts,published", PUBLISHED)
+def test_the_score_interval_of_two_rates_is_newcombes(counts, published):
+    k1, n1, k2, n2 = counts
+    got = RateCombination([(1, k1, n1), (-1, k2, n2)]).interval(0.95)
+    assert got == pytest.approx(newcombe_ref(*counts), abs=1e-12)
+    assert got == pytest.approx(published, abs=5e-5)  # the table gives 4 decimals
+
+
+def test_the_score_interval_of_an_interaction_adds_the_four_rates_distances():
+    counts = [(1, 3, 8), (-1, 1, 8), (-1, 0, 8), (1, 2, 8)]  # (A - B) - (C - D)
+    limits = [wilson_ref(k, n) for _, k, n in counts]
+    rates = [k / n for _, k, n in counts]
+    d = sum(w * p for (w, _, _), p in zip(counts, rates))
+    # a +1 rate moves the lower end down by p - l, a -1 rate by u - p (and the other way for the upper end)
+    below = sum((p - lo if w > 0 else hi - p) ** 2 for (w, _, _), p, (lo, hi) in zip(counts, rates, limits))
+    above = sum((hi - p if w > 0 else p - lo) ** 2 for (w, _, _), p, (lo, hi) in zip(counts, rates, limits))
+    assert RateCombination(counts).interval() == pytest.approx((d - math.sqrt(below), d + math.sqrt(above)), abs=1e-12)
+
+
+@pytest.mark.parametrize("counts", [(56, 70, 48, 80), (3, 16, 1, 16), (0, 16, 0, 16)])
+def test_the_score_p_inverts_the_score_interval(counts):
+    k1, n1, k2, n2 = counts
+    score = RateCombination([(1, k1, n1), (-1, k2, n2)])
+    for delta in (-0.3, -0.1, 0.05, 0.2, 0.4):
+        below, above = score.p_below(delta), score.p_above(delta)
+        assert below + above == pytest.approx(1.0, abs=1e-12)
+        # the interval at the one-sided level the p names ends at delta: its upper end above the estimate, else
+        # its lower end
+        z = stats.norm.isf(min(below, above))
+        end = newcombe_ref(*counts, z=z)[1 if below < 0.5 else 0]
+        assert end == pytest.approx(delta, abs=1e-9)
+
+
+def test_the_score_p_at_zero_of_n_has_its_closed_form():
+    # The Wilson upper limit of 0/n at z is z^2 / (n + z^2): it reaches 0.1 at z^2 = 16 * 0.1 / 0.9 for n = 16.
+    assert RateCombination([(1, 0, 16), (-1, 0, 16)]).tost(0.1) == pytest.approx(
+        stats.norm.sf(math.sqrt(16 * 0.1 / 0.9)), abs=1e-10)
+
+
 # --------------------------------------------------------------------------- the declared contrast
 
 
@@ -115,6 +184,47 @@ def test_the_row_is_the_test_of_per_cold_start_rate_differences():
     assert row["diff"] == pytest.approx(d.mean()) and row["p"] == pytest.approx(brute_p(d), abs=1e-12)
     assert (row["collapsed"], row["n"], row["collapsed_vs"], row["blocks"]) == (9, 14, 2, 7)
     assert -1 <= row["lo"] <= row["diff"] <= row["hi"] <= 1
+
+
+def test_no_collapse_in_either_arm_is_no_evidence_of_equivalence():
+    # 0/16 against 0/16 runs over 8 cold starts: the sign-flip test alone has the point interval [0, 0] and passes
+    # TOST at any margin; each arm's Wilson interval is [0, 0.19], so the row's interval must not be narrower.
+    runs = collapse_runs({"grpo": [0] * 8, "grpo_r3": [0] * 8})
+    row = declared_contrasts(runs, [Contrast("grpo", "grpo_r3", "primary", 0.1, endpoint=COLLAPSE)], COLLAPSE).iloc[0]
+    alone = SignFlips([0.0] * 8)
+    assert alone.interval() == (0.0, 0.0) and alone.tost(0.1) < 0.05
+    assert row["lo"] <= -0.15 and row["hi"] >= 0.15
+    assert (row["lo"], row["hi"]) == pytest.approx(newcombe_ref(0, 16, 0, 16), abs=1e-12)
+    assert row["p"] == 1 and row["tost_p"] > 0.05 and row["hypothesis_p"] == row["tost_p"]
+
+
+@pytest.mark.parametrize("pattern", [PATTERN, {"a": [0] * 8, "b": [0] * 8}, {"a": [2] * 8, "b": [0] * 8},
+                                     {"a": [0, 1, 0, 0, 1, 0, 0, 0], "b": [0] * 8}])
+def test_the_interval_is_the_union_and_tost_passes_only_inside_it(pattern):
+    a, b = pattern
+    runs = collapse_runs(pattern)
+    d = (np.array(pattern[a]) - np.array(pattern[b])) / 2
+    k, n = (sum(pattern[a]), 2 * len(d)), (sum(pattern[b]), 2 * len(d))
+    for margin in (0.1, 0.15, 0.2, 0.3, 0.5):
+        row = declared_contrasts(runs, [Contrast(a, b, "primary", margin, endpoint=COLLAPSE)], COLLAPSE).iloc[0]
+        for level, (lo, hi) in ((0.95, (row["lo"], row["hi"])), (0.90, (row["lo90"], row["hi90"]))):
+            z = stats.norm.ppf(0.5 + level / 2)
+            flips, score = SignFlips(d).interval(level, (-1, 1)), newcombe_ref(*k, *n, z=z)
+            assert (lo, hi) == pytest.approx((max(min(flips[0], score[0]), -1), min(max(flips[1], score[1]), 1)),
+                                             abs=1e-12)
+        assert row["tost_p"] >= SignFlips(d).tost(margin)
+        assert (row["tost_p"] < 0.05) == (-margin < row["lo90"] and row["hi90"] < margin)
+
+
+def test_an_interaction_with_no_collapse_is_no_evidence_of_equivalence():
+    runs = collapse_runs({arm: [0] * 8 for arm in ("grpo", "grpo_r3", "gspo", "grpo_r2")})
+    c = Contrast("grpo", "grpo_r3", "primary", 0.2, minus=("gspo", "grpo_r2"), endpoint=COLLAPSE)
+    row = declared_contrasts(runs, [c], COLLAPSE).iloc[0]
+    # four rates at 0/16: each end is moved by the two rates whose sign points its way, each by the Wilson upper
+    # limit, added in quadrature
+    half = math.sqrt(2) * wilson_ref(0, 16)[1]
+    assert (row["lo"], row["hi"]) == pytest.approx((-half, half), abs=1e-12)
+    assert row["tost_p"] > 0.05 and (row["lo90"] <= -0.2 or row["hi90"] >= 0.2)
 
 
 def test_swapping_arm_and_vs_keeps_p_and_mirrors_the_difference():

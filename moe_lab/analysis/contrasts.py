@@ -19,12 +19,22 @@ each arm's rate is the share of its RL seeds whose run a collapse rule stopped, 
 difference of the rates (or of the differences, for an interaction). The test is the exact sign-flip permutation test
 over cold starts (stats.SignFlips): all 2^m sign flips of the m per-cold-start differences, two-sided p = the share
 whose |sum| is at least the observed one, a zero difference flipping to itself. The estimate is the mean difference
-over cold starts; its 95% interval inverts the same test (Hartigan's subset means under the shift model: the
-per-cold-start differences are the mean difference plus noise symmetric about 0), clipped to [-1, 1] ([-2, 2] for an
-interaction). With 5 cold starts or fewer no p reaches 0.05 and the interval is the whole range; where every cold
-start shows the same difference the interval is that one value (the test sees no spread: the Wilson intervals of
-`moe-lab report`'s collapse table say how loosely k of n runs bound each rate). TOST at a declared margin is the
-larger one-sided sign-flip p at -margin and +margin. Its primary rows join the Holm family of the primary endpoint.
+over cold starts. With 5 cold starts or fewer no p reaches 0.05.
+
+The sign-flip test sees only the spread of the per-cold-start differences, not how loosely k of n runs bound each
+rate: where every cold start shows the same difference (no run collapses in either arm, the common case), its
+inverted interval is that one point and its TOST passes at any margin. So the 95% interval is the hull (the union)
+of two: the interval that inverts the sign-flip test (Hartigan's subset means under the shift model) and the score
+interval of the arms' rates pooled over the cold starts both ran (Newcombe's hybrid score interval, method 10, from
+each arm's Wilson interval; for an interaction the same construction over four rates, MOVER-Wilson), clipped to
+[-1, 1] ([-2, 2] for an interaction). 0/16 against 0/16 runs gives about [-0.19, 0.19]. The hull may hold 0 while
+the sign-flip p is below 0.05: the p takes the per-cold-start differences as given, the interval also counts the
+binomial noise of k of n runs.
+
+TOST at a declared margin: the larger of the sign-flip TOST p (the larger one-sided sign-flip p at -margin and
++margin) and the score interval's TOST p (the one-sided p's that invert it: the normal tail at which its end reaches
+the margin). So TOST p < 0.05 exactly when the 90% hull lies inside (-margin, margin). Its primary rows join the Holm
+family of the primary endpoint with the p of the declared hypothesis (the sign-flip p, or this TOST p).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.analysis.endpoints import format_p, load_comparison
+from moe_lab.analysis.score_interval import RateCombination
 from moe_lab.analysis.stats import (SignFlips, block_diffs, cold_start_level, combination_cells, conditional, holm,
                                     permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
 from moe_lab.launch.design import COLLAPSE, Contrast
@@ -70,10 +81,20 @@ def _collapse_row(runs: pd.DataFrame, setting: str, c: Contrast) -> dict:
     cells = combination_cells(both["collapsed"].astype(float), both["arm_base"], both["block"], weights)
     per_block = block_diffs(cells)  # per cold start: the weighted combination of the arms' collapse rates
     test = SignFlips(list(per_block.values()))
+    # The same runs pooled over the cold starts kept, arm by arm: k of n collapsed, in declared order.
+    score = RateCombination([(w, int(sum(p[i][1].sum() for p in cells.values())),
+                              sum(len(p[i][1]) for p in cells.values())) for i, w in enumerate(weights.values())])
     widest = sum(w for w in weights.values() if w > 0)  # rates lie in [0, 1]: the combination within +-widest
-    (lo, hi), (lo90, hi90) = (test.interval(level, (-widest, widest)) for level in (0.95, 0.90))
+
+    def hull(level: float) -> tuple[float, float]:
+        (a, b), (x, y) = test.interval(level, (-widest, widest)), score.interval(level)
+        return max(min(a, x), -widest), min(max(b, y), widest)
+
+    (lo, hi), (lo90, hi90) = hull(0.95), hull(0.90)
+    (row["signflip_lo"], row["signflip_hi"]), (row["score_lo"], row["score_hi"]) = (
+        test.interval(0.95, (-widest, widest)), score.interval(0.95))
     row.update(diff=test.diff, lo=lo, hi=hi, p=test.p(), exact=test.exact, blocks=len(cells), lo90=lo90, hi90=hi90,
-               tost_p=test.tost(c.margin) if c.margin else math.nan,
+               tost_p=max(test.tost(c.margin), score.tost(c.margin)) if c.margin else math.nan,
                per_block={str(k): d for k, d in per_block.items()})
     return row
 
@@ -142,8 +163,10 @@ def declared_contrasts(per_run: pd.DataFrame, contrasts: Sequence[Contrast], col
     the difference with its cold-start-level 95% interval, p and df (``diff, se, df, lo, hi, p``), the 90%
     interval and TOST p where a margin is declared, the p of the declared hypothesis, Holm-adjusted over the primary
     rows (``declared_tables``); the interval conditional on these cold starts (``cond_*``); the per-cold-start
-    differences and the run-level Welch/permutation figures. On the collapse rate: ``diff, lo, hi, p, exact``
-    of the sign-flip test, ``lo90, hi90, tost_p``, the hypothesis and Holm p, the per-cold-start differences."""
+    differences and the run-level Welch/permutation figures. On the collapse rate: ``diff, p, exact`` of the
+    sign-flip test, ``lo, hi`` (``lo90, hi90``) the union of its 95% (90%) interval and the score interval,
+    ``signflip_lo/hi, score_lo/hi`` the two 95% intervals, ``tost_p`` (the larger of the two methods'), the hypothesis
+    and Holm p, the per-cold-start differences."""
     return declared_tables(per_run, contrasts, (column,))[column]
 
 
@@ -209,16 +232,21 @@ def format_collapse(table: pd.DataFrame) -> str:
     """The table of declared contrasts of the collapse rate."""
     lines = ["declared contrasts of the collapse rate, the cold start as the unit: per cold start, each arm's share of "
              "RL seeds whose run a collapse rule stopped; the mean over cold starts of the per-cold-start difference, "
-             "the exact two-sided sign-flip p over cold starts, the 95% interval that inverts it (subset means; "
-             "clipped to the range a rate difference can take), TOST where a margin is declared and Holm over the "
-             "primary rows, counted with the primary contrasts of the primary endpoint",
-             "", "| setting | contrast | role | collapsed | cold starts | rate difference, 95% sign-flip interval | "
-             "sign-flip p | equivalence: margin, 90% interval, TOST p | Holm p | per cold start |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "the exact two-sided sign-flip p over cold starts; the 95% interval is the union of the one that inverts "
+             "the sign-flip test (subset means) and Newcombe's hybrid score interval of the arms' rates pooled over "
+             "the cold starts (Wilson per arm; MOVER-Wilson for an interaction), clipped to the range a rate "
+             "difference can take; TOST where a margin is declared (the larger p of the two methods: below 0.05 "
+             "exactly when the 90% union lies inside the margin) and Holm over the primary rows, counted with the "
+             "primary contrasts of the primary endpoint",
+             "", "| setting | contrast | role | collapsed | cold starts | rate difference, 95% interval (sign-flip ∪ "
+             "Newcombe) | sign-flip 95%; Newcombe 95% | sign-flip p | equivalence: margin, 90% interval (sign-flip ∪ "
+             "Newcombe), TOST p | Holm p | per cold start |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
         blocks = ", ".join(f"{k}: {_signed(v)}" for k, v in r.per_block.items())
         lines.append(
             f"| {r.setting} | {r.arm} − {r.vs} | {r.role} | {r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} | "
             f"{r.blocks} | {_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}] | "
+            f"[{_signed(r.signflip_lo)}, {_signed(r.signflip_hi)}]; [{_signed(r.score_lo)}, {_signed(r.score_hi)}] | "
             f"{_p(r.p)}{'' if r.exact else ' (MC)'} | {_equivalence(r)} | {_p(r.holm_p)} | {blocks} |")
     return "\n".join(lines)

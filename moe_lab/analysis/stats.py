@@ -2,7 +2,7 @@
 (per group and step, per arm), Wilson intervals of collapse rates, the Kaplan-Meier survival of runs, and the
 statistics of `moe-lab compare`: a contrast between two arms run from the same cold starts (blocks), the
 run-level Welch interval and permutation p, TOST and Holm, and the exact sign-flip test over cold starts (a
-contrast of collapse rates, ``SignFlips``). Formulas in docs/metrics.md.
+contrast of collapse rates, ``SignFlips``; its score interval: score_interval.py). Formulas in docs/metrics.md.
 
 Two intervals answer two questions, and `moe-lab compare` prints both, side by side, never one in place of the
 other (no model selection switches between them):
