@@ -1,7 +1,9 @@
 """A declared contrast of collapse rates (``endpoint: collapse``): the sign-flip p over cold starts is the brute-force
 share of all 2^m sign vectors, its interval is every shift the same test does not reject, swapping the arms mirrors
-it, its primary rows join Holm with the primary endpoint's, bad declarations get one line, and `moe-lab compare`
-prints the row it computes on an experiment folder."""
+it; the score interval is Newcombe's (the formula written out, the published values) and its p's invert it; the row's
+interval is the union of the two and its TOST passes only where the 90% union lies inside the margin (0/16 vs 0/16
+does not pass at 0.1); its primary rows join Holm with the primary endpoint's, bad declarations get one line, and
+`moe-lab compare` prints the row it computes on an experiment folder."""
 
 from __future__ import annotations
 
