@@ -215,8 +215,8 @@ def test_replay_runs_the_forced_ids_exactly_while_the_bias_moves(tmp_path, monke
     real = step_mod.routing_ctx
 
     @contextlib.contextmanager
-    def spying(policy, forced, cfg, gen, router_logp=False):
-        with real(policy, forced, cfg, gen, router_logp) as handle:
+    def spying(policy, forced, replay_section, gen, router_logp=False):
+        with real(policy, forced, replay_section, gen, router_logp) as handle:
             yield handle
         if forced is not None:
             seen.append((forced.indices.clone(), handle.used.indices.clone(), handle.latent.indices.clone()))

@@ -199,7 +199,8 @@ def test_r3_replays_the_recorded_rollout_routes_bit_exactly_under_every_rollout_
     assert data.batch_metrics["mismatch/k3"] > 0  # the numerics did make rollout and trainer differ
     assert torch.equal(data.forced_trace.indices, data.batch.trace.indices)
     gen = seeds.old_pass_generator(cfg.seed, 1)
-    with torch.no_grad(), routing_ctx(policy, data.forced_trace, cfg, gen) as handle, record(policy) as seen:
+    replay_section = cfg.rl.section("replay")
+    with torch.no_grad(), routing_ctx(policy, data.forced_trace, replay_section, gen) as handle, record(policy) as seen:
         forward_logits(policy, data.batch.input_ids_BS, data.batch.attention_mask_BS)
     assert torch.equal(seen.indices, data.batch.trace.indices)  # what the trainer's experts consumed
     table = router_mismatch(data.batch.trace, handle.latent, data.batch.response_mask_BT)

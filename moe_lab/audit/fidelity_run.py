@@ -115,7 +115,8 @@ def _group_mask(mask_BT: torch.Tensor, g: int, group_size: int) -> torch.Tensor:
 def replayed_logp(policy, batch, cfg: RunConfig, step: int) -> torch.Tensor:
     """The trainer's log-probs of the rollout's tokens with the rollout's routes replayed (R3's old pass)."""
     gen = seeds.old_pass_generator(cfg.seed, step)
-    with routing_ctx(policy, batch.trace, cfg, gen), train_precision(policy, cfg):
+    with routing_ctx(policy, batch.trace, cfg.rl.section("replay"), gen), \
+            train_precision(policy, cfg.rl.section("rollout")):
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
     return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature)
 

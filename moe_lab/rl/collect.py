@@ -20,7 +20,7 @@ from moe_lab.algos.losses import kl_penalty
 from moe_lab.algos.ratio_metrics import rollout_mismatch
 from moe_lab.algos.rollout_correction import rollout_correction
 from moe_lab.config import RunConfig
-from moe_lab.config.rl import RLObjective, RLRollout
+from moe_lab.config.rl import RLObjective, RLReplay, RLRollout
 from moe_lab.config.mode_specs import OLD_FORWARD, REPLAY_SPECS, ROLLOUT, ROLLOUT_CORRECTION_SPECS
 from moe_lab.rl import seeds
 from moe_lab.rl.groups import group_generators, join_batches
@@ -67,19 +67,21 @@ def replay_traces(mode: str, rollout_trace: Trace | None, old_trace: Trace | Non
     return forced, old_trace
 
 
-def train_precision(policy, cfg: RunConfig):
-    """Autocast of the trainer's forwards (old-policy pass and updates), as bf16 trainers run them.
+def train_precision(policy, rollout: RLRollout):
+    """Autocast of the trainer's forwards (old-policy pass and updates), as bf16 trainers run them
+    (``rollout.train_dtype``).
 
     Master weights and optimizer stay fp32 and token_logprobs upcasts the logits, so only the forward's
     matmuls (router logits included) are bf16. float32: a no-op context, bit-identical to no context.
     """
-    if cfg.rl.train_dtype == "float32":
+    if rollout.train_dtype == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=policy.device.type, dtype=getattr(torch, cfg.rl.train_dtype))
+    return torch.autocast(device_type=policy.device.type, dtype=getattr(torch, rollout.train_dtype))
 
 
 @torch.no_grad()
-def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace, Trace]:
+def _old_pass(policy, batch: RolloutBatch, replay: RLReplay, rollout: RLRollout, seed: int,
+              step: int) -> tuple[torch.Tensor, Trace, Trace]:
     """logp_old from a forward of the policy before any update: (logp_old, routing used, router's own choice).
 
     Free routing is recorded (it is R2's trace). Under R3 this forward already follows the rollout's
@@ -87,13 +89,13 @@ def _old_pass(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[t
     be != 1 before the policy moved (we measured token-ratio variance spikes up to 86 from that alone).
     The routing used carries the old router's log-probs of its experts: the reference of routing/router_shift.
     """
-    forced, _ = replay_traces(cfg.rl.replay, batch.trace, None)
-    with routing_ctx(policy, forced, cfg, seeds.old_pass_generator(cfg.seed, step), router_logp=True) as handle, \
-            train_precision(policy, cfg):
+    forced, _ = replay_traces(replay.replay, batch.trace, None)
+    with routing_ctx(policy, forced, replay, seeds.old_pass_generator(seed, step), router_logp=True) as handle, \
+            train_precision(policy, rollout):
         logits = forward_logits(policy, batch.input_ids_BS, batch.attention_mask_BS).logits
     used, free = (handle, handle) if forced is None else (handle.used.with_router_logp(handle.router_logp_LBTK),
                                                           handle.latent)
-    return token_logprobs(logits, batch.input_ids_BS, cfg.rl.temperature), used, free
+    return token_logprobs(logits, batch.input_ids_BS, rollout.temperature), used, free
 
 
 def _mismatch_metrics(batch: RolloutBatch, logp_old_BT, free_trace) -> dict[str, float]:
@@ -147,12 +149,13 @@ def _rewards(task, group_prompts: list[str], batch: RolloutBatch) -> torch.Tenso
                         dtype=torch.float32, device=batch.input_ids_BS.device)
 
 
-def _old_logp(policy, batch: RolloutBatch, cfg: RunConfig, step: int) -> tuple[torch.Tensor, Trace | None, dict]:
+def _old_logp(policy, batch: RolloutBatch, replay: RLReplay, rollout: RLRollout, seed: int,
+              step: int) -> tuple[torch.Tensor, Trace | None, dict]:
     """Stage 3: (logp_old, the routing that produced it, mismatch metrics): the old-policy forward, or the
     sampler's own log-probs and routing (section 5.4), which have no mismatch to measure."""
-    if cfg.rl.old_logp == "rollout":
+    if rollout.old_logp == "rollout":
         return batch.logp_rollout_BT, batch.trace, {}
-    logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, cfg, step)
+    logp_old_BT, old_trace, free_trace = _old_pass(policy, batch, replay, rollout, seed, step)
     metrics = _mismatch_metrics(batch, logp_old_BT, free_trace)
     metrics.update(routing_confidence(free_trace, batch.response_mask_BT))
     return logp_old_BT, old_trace, metrics
@@ -208,15 +211,16 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     """Rollout with routing recorded, rewards, the old-policy pass, rollout correction and advantages.
     ``first_group``: the index of prompts[0] in the step's batch (a rank's share of it under torchrun).
     Each stage gets the sections it reads."""
-    objective, rollout, group_size = cfg.rl.section("objective"), cfg.rl.section("rollout"), cfg.rl.group_size
+    objective, replay, rollout = cfg.rl.section("objective"), cfg.rl.section("replay"), cfg.rl.section("rollout")
+    group_size = cfg.rl.group_size
     t0 = time.perf_counter()
     group_prompts, batch = _rollout(rollout_policy, task, rollout, prompts, seed=cfg.seed, group_size=group_size,
-                                    predictive=REPLAY_SPECS[cfg.rl.replay].predictor, step=step,
+                                    predictive=REPLAY_SPECS[replay.replay].predictor, step=step,
                                     first_group=first_group)
     rewards_B = _rewards(task, group_prompts, batch)
     t1 = time.perf_counter()
     metrics = _reward_metrics(rewards_B, group_size, batch)
-    logp_old_BT, old_trace, mismatch = _old_logp(policy, batch, cfg, step)
+    logp_old_BT, old_trace, mismatch = _old_logp(policy, batch, replay, rollout, cfg.seed, step)
     is_weights_BT, corr = _correction(batch, logp_old_BT, rollout)
     rewards_B, kl = _kl_reward(ref_model, batch, logp_old_BT, rewards_B, objective, rollout.temperature)
     adv_B = _advantages(rewards_B, objective, group_size)
@@ -224,13 +228,16 @@ def collect(policy, rollout_policy, ref_model, task, cfg: RunConfig, step: int, 
     if old_trace is not None:  # token id at trace column t is input_ids[:, t] (forward_logits drops the last)
         metrics.update(specialization(old_trace, batch.input_ids_BS[:, :old_trace.seq_len], batch.response_mask_BT))
     metrics.update(_task_metrics(task, group_prompts, rewards_B, old_trace, batch.response_mask_BT))
-    forced, ref = replay_traces(cfg.rl.replay, batch.trace, old_trace)
+    forced, ref = replay_traces(replay.replay, batch.trace, old_trace)
     return StepData(batch, rewards_B, adv_B, logp_old_BT, ref, forced, metrics, task.max_new_tokens,
                     is_weights_BT)
 
 
-def routing_ctx(policy, forced: Trace | None, cfg: RunConfig, gen: torch.Generator, router_logp: bool = False):
+def routing_ctx(policy, forced: Trace | None, replay_section: RLReplay, gen: torch.Generator,
+                router_logp: bool = False):
+    """The routing regime of a trainer's forward: free (recorded) without ``forced``, else ``forced`` replayed,
+    gated as ``replay_section`` says; router noise from ``gen`` in both."""
     if forced is None:
-        return record(policy, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp)
-    return replay(policy, forced, noise_std=cfg.rl.router_noise, generator=gen, router_logp=router_logp,
-                  gate=cfg.rl.replay_gate, weights=cfg.rl.replay_gate_weights)
+        return record(policy, noise_std=replay_section.router_noise, generator=gen, router_logp=router_logp)
+    return replay(policy, forced, noise_std=replay_section.router_noise, generator=gen, router_logp=router_logp,
+                  gate=replay_section.replay_gate, weights=replay_section.replay_gate_weights)

@@ -152,13 +152,14 @@ def _decomposition(ctx: UpdateContext, forced: Trace | None, ref: Trace | None, 
     every = cfg.rl.decomp_every
     if ref is None or every == 0 or (update_idx + 1) % every:  # every N-th update: the N-th, 2N-th, ...
         return nan_decomposition()
-    b = data.batch
+    b, rollout = data.batch, cfg.rl.section("rollout")
     ids, attn = b.input_ids_BS[idx_B], b.attention_mask_BS[idx_B]
     gen = seeds.decomposition_generator(cfg.seed, ctx.step, update_idx)
     cuda = [logp_BT.device] if logp_BT.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
-            routing_ctx(policy, ref if forced is None else None, cfg, gen), train_precision(policy, cfg):
-        other_BT = token_logprobs(forward_logits(policy, ids, attn).logits, ids, cfg.rl.temperature)
+            routing_ctx(policy, ref if forced is None else None, cfg.rl.section("replay"), gen), \
+            train_precision(policy, rollout):
+        other_BT = token_logprobs(forward_logits(policy, ids, attn).logits, ids, rollout.temperature)
     free_BT, ref_BT = (logp_BT, other_BT) if forced is None else (other_BT, logp_BT)
     return ratio_decomposition(free_BT, ref_BT, data.logp_old_BT[idx_B], b.response_mask_BT[idx_B],
                                *_decomp_clip(objective))
@@ -167,11 +168,13 @@ def _decomposition(ctx: UpdateContext, forced: Trace | None, ref: Trace | None, 
 def update(ctx: UpdateContext) -> dict[str, float]:
     """One optimizer step on the minibatch ctx.idx_B (indices into the rollout batch); returns its metrics (the
     update's row of the results table). ``ctx.components``: the run's stateful extras (moe_lab.rl.components).
-    The loss gets the objective section, the learning rate and the gradient clip the schedule's."""
+    The loss gets the objective section, the routing regime the replay section, the autocast and temperature
+    the rollout section, the learning rate and the gradient clip the schedule section."""
     t0 = time.perf_counter()
     policy, optimizer, data, idx_B, cfg, step, update_idx = (ctx.policy, ctx.optimizer, ctx.data, ctx.idx_B, ctx.cfg,
                                                             ctx.step, ctx.index)
     objective, schedule = cfg.rl.section("objective"), cfg.rl.section("schedule")
+    replay, rollout = cfg.rl.section("replay"), cfg.rl.section("rollout")
     lr = set_lr(optimizer, schedule, update_idx)
     gen = seeds.update_generator(cfg.seed, step, update_idx)
     optimizer.zero_grad(set_to_none=True)
@@ -183,11 +186,11 @@ def update(ctx: UpdateContext) -> dict[str, float]:
     mask = data.batch.response_mask_BT[idx_B]
     # the probe only reads router logits (no routing, values or RNG change): router shift for every arm
     ref_ids = ref.indices if ref is not None and ref.router_logp_LBTK is not None else None
-    with routing_ctx(policy, forced, cfg, gen) as handle, router_logp_probe(policy, ref_ids) as current, \
+    with routing_ctx(policy, forced, replay, gen) as handle, router_logp_probe(policy, ref_ids) as current, \
             ctx.components.update_context(ctx) as handles:
         shift = RouterShift(ref, current, mask)
-        with train_precision(policy, cfg):
-            loss, metrics, logp_BT = _loss_terms(policy, ctx.ref_model, data, idx_B, objective, cfg.rl.temperature,
+        with train_precision(policy, rollout):
+            loss, metrics, logp_BT = _loss_terms(policy, ctx.ref_model, data, idx_B, objective, rollout.temperature,
                                                  shift)
         grad_norm, router_norm = _backward(policy, loss, schedule.grad_clip)
     metrics.update(_decomposition(ctx, forced, ref, logp_BT, objective))
@@ -197,7 +200,7 @@ def update(ctx: UpdateContext) -> dict[str, float]:
     metrics.update(_routing_row(ref, used, latent, mask, shift))
     if math.isfinite(grad_norm):  # what moves with the optimizer (the expert bias) steps with it
         metrics.update(ctx.components.after_optimizer_step(ctx, handles, used, latent, metrics))
-    if forced is not None and cfg.rl.replay_gate > 0:
+    if forced is not None and replay.replay_gate > 0:
         metrics["routing/replay_replace_frac"] = handle.replace_frac(mask)
     metrics.update({"loss": float(loss.detach()), "optim/grad_norm": grad_norm, "optim/router_grad_norm": router_norm,
                     "optim/lr": lr,
