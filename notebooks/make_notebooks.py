@@ -290,7 +290,7 @@ CONFIRMATION = {
 EXPLORE_SETUP = '''\
 from IPython.display import Markdown, display
 
-from moe_lab.analysis import endpoint_plots, report, report_tables
+from moe_lab.analysis import endpoint_plots, report
 from moe_lab.analysis.contrasts import declared_contrasts, format_declared
 from moe_lab.analysis.endpoints import load_comparison
 from moe_lab.launch.design import contrasts_spec, describe_spec
@@ -330,7 +330,7 @@ else:
 EXPLORE_DESCRIBE = '''\
 described = describe_spec(exp)
 if described:
-    display(Markdown("\\n".join(report_tables.describe_tables(metrics, per_run, described))))
+    display(Markdown("\\n".join(report.describe_tables(metrics, per_run, described))))
     display(report.describe_curves(metrics, described))
 else:
     print(FOLDER.name, "declares no `describe:` metrics")'''

@@ -15,8 +15,7 @@ from scipy import stats
 
 from moe_lab.analysis.contrasts import declared_contrasts
 from moe_lab.analysis.endpoints import load_comparison
-from moe_lab.analysis.report import REPORT_FILE, build, check_verdict
-from moe_lab.analysis.report_tables import window_means
+from moe_lab.analysis.report import REPORT_FILE, build, check_verdict, window_means
 from moe_lab.commands.run import read_experiment
 from moe_lab.config import ConfigError, load_yaml
 from moe_lab.launch.design import Describe, check_tost_named, contrasts_spec, describe_spec

@@ -14,27 +14,34 @@ fields where every run's config.yaml differs from that file's expansion; the pro
 commits, start and end times) and, where the folder sits in a git checkout, the commit that added the experiment
 file. The figures: learning curves per arm, the declared contrasts per cold start, and the metrics the file
 declares (``describe:``).
+
+The descriptive tables run no test: per run, the mean of each declared metric over a declared window of RL steps
+(each step's rows averaged first, so a metric logged once per step and one logged per update weigh steps alike);
+then per cell the median and range over its runs and the mean with its 95% t-interval, and per cold start the
+cell's mean over the runs from it.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
+import math
 import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 from matplotlib.figure import Figure
 
-from moe_lab.analysis import report_tables, run_fidelity
+from moe_lab.analysis import run_fidelity
 from moe_lab.analysis.arm_traits import traits_of
 from moe_lab.analysis.contrasts import declared_tables, format_declared
 from moe_lab.analysis.endpoints import endpoints_head, format_arms, format_pairs, load_comparison
 from moe_lab.analysis.plots import STEP, arm_order, curves, figure_legend, new_figure, styled
-from moe_lab.analysis.stats import detectable_difference
+from moe_lab.analysis.stats import detectable_difference, group_ci, wilson_interval
 from moe_lab.analysis.tables import flatten, load_runs
 from moe_lab.config import ConfigError, dump_yaml
 from moe_lab.launch.design import COLLAPSE, Describe
@@ -217,6 +224,63 @@ def _resolution(table: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
+def fmt(x: float) -> str:
+    """Three significant digits (what the report's tables print and a verdict may quote)."""
+    if not math.isfinite(x):
+        return "n/a"
+    return f"{x:.3g}" if x == 0 or 1e-3 <= abs(x) < 1e4 else f"{x:.2e}".replace("e-0", "e-").replace("e+0", "e+")
+
+
+def collapse_table(per_run: pd.DataFrame) -> list[str]:
+    """Per cell: runs that a collapse rule stopped, k of n, with the 95% Wilson interval of the rate."""
+    lines = ["| setting | arm | collapsed | rate, 95% Wilson |", "|---|---|---|---|"]
+    for (setting, arm), g in per_run.groupby(["setting", "arm_base"], sort=False):
+        k, n = int(g["collapsed"].sum()), len(g)
+        lo, hi = wilson_interval(k, n)
+        lines.append(f"| {setting} | {arm} | {k}/{n} | {k / n:.2f} [{lo:.2f}, {hi:.2f}] |")
+    k, n = int(per_run["collapsed"].sum()), len(per_run)
+    lo, hi = wilson_interval(k, n)
+    return [*lines, f"| all | all | {k}/{n} | {k / n:.2f} [{lo:.2f}, {hi:.2f}] |"]
+
+
+def window_means(metrics: pd.DataFrame, per_run: pd.DataFrame, spec: Describe, label: str) -> pd.DataFrame:
+    """One row per finished run (its setting, arm_base, block) with each declared metric's mean over the window."""
+    first, last = spec.windows[label]
+    present = [m for m in spec.metrics if m in metrics]
+    inside = metrics[(metrics["step"] >= first) & (metrics["step"] <= last)]
+    by_step = inside.groupby(["run_id", "step"], sort=True)[present].mean()
+    means = by_step.groupby(level="run_id").mean()
+    keep = per_run.set_index("run_id")[["setting", "arm_base", "block"]]
+    return keep.join(means, how="left").reset_index()
+
+
+def describe_tables(metrics: pd.DataFrame, per_run: pd.DataFrame, spec: Describe) -> list[str]:
+    """Per window and declared metric: per cell (median [range], mean [95% t]) and per cold start (cell means)."""
+    lines: list[str] = []
+    missing = [m for m in spec.metrics if m not in metrics]
+    if missing:
+        lines += [f"Not logged by these runs (left out): {', '.join(f'`{m}`' for m in missing)}.", ""]
+    for label, (first, last) in spec.windows.items():
+        runs = window_means(metrics, per_run, spec, label)
+        blocks = list(dict.fromkeys(runs["block"]))
+        for metric in (m for m in spec.metrics if m in runs):
+            lines += [f"**`{metric}`, {label}** (per-run mean over steps {first}-{last})", "",
+                      "| setting | arm | n | median [range] over runs | mean, 95% t | "
+                      + " | ".join(f"cold start {b}" for b in blocks) + " |",
+                      "|---|---|---|---|---|" + "---|" * len(blocks)]
+            ci = group_ci(runs, [metric], ["setting", "arm_base"])
+            for (setting, arm), g in runs.groupby(["setting", "arm_base"], sort=False):
+                v = g[metric].dropna()
+                mean, lo, hi = ci.loc[(setting, arm)]
+                per_block = g.groupby("block")[metric].mean()
+                cells = " | ".join(fmt(per_block.get(b, math.nan)) for b in blocks)
+                lines.append(f"| {setting} | {arm} | {len(v)} | {fmt(float(np.median(v)) if len(v) else math.nan)} "
+                             f"[{fmt(v.min() if len(v) else math.nan)}, {fmt(v.max() if len(v) else math.nan)}] | "
+                             f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}] | {cells} |")
+            lines.append("")
+    return lines
+
+
 def _figures(metrics, evals, spec, tables, describe) -> dict[str, Figure]:
     from moe_lab.analysis.endpoint_plots import learning_curves
 
@@ -299,11 +363,11 @@ def build(results: str | Path | ResultsFolder, figures: bool = True, shown_as: s
     body = [*design(folder, exp, n_runs, where), "",
             *provenance(folder, exp), "",
             "## Endpoints per arm", "", endpoints_head(spec), "", *format_arms(arms), "", *contrast_lines, "",
-            "## Collapses", "", *report_tables.collapse_table(per_run), ""]
+            "## Collapses", "", *collapse_table(per_run), ""]
     body[0:0] = _notes(folder, per_run)
     if describe:
         body += ["## Routing and mismatch (descriptive, declared in the experiment file)", "",
-                 *report_tables.describe_tables(metrics, per_run, describe)]
+                 *describe_tables(metrics, per_run, describe)]
     body += run_fidelity.format_alarms(run_fidelity.alarms(metrics))
     if verdict:
         check_verdict(verdict, "\n".join(body), f"{where}/experiment.yaml")
