@@ -222,7 +222,9 @@ def test_every_subpackage_says_what_it_is():
 def test_module_and_function_sizes(module):
     path = MODULES[module]
     text = path.read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= 420, f"{module}: {len(text.splitlines())} lines (house rule: < ~400)"
+    # one topic, one file, read whole by one reader: a file this long has usually begun a second topic; the limit
+    # is a prompt to look, set high enough that it never forces a split of one topic (issue 63: it had split several)
+    assert len(text.splitlines()) <= 650, f"{module}: {len(text.splitlines())} lines (one topic per file; look for a second)"
     long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(text))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 65]
     assert not long, f"{module}: functions over ~60 lines: {long}"

@@ -19,7 +19,7 @@ import pytest
 from scipy import stats
 
 from moe_lab.analysis.contrasts import declared_contrasts, declared_tables, format_declared, load_declared_tables
-from moe_lab.analysis.score_interval import RateCombination
+from moe_lab.analysis.stats import RateCombination
 from moe_lab.analysis.stats import SignFlips, holm
 from moe_lab.config import ConfigError
 from moe_lab.launch.design import COLLAPSE, Contrast, contrasts_spec

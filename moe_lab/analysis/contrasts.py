@@ -46,9 +46,9 @@ import numpy as np
 import pandas as pd
 
 from moe_lab.analysis.endpoints import format_p, load_comparison
-from moe_lab.analysis.score_interval import RateCombination
-from moe_lab.analysis.stats import (SignFlips, block_diffs, cold_start_level, combination_cells, conditional, holm,
-                                    permutation_p, pooled_combination, t_half_width, tost_p, welch_diff_ci)
+from moe_lab.analysis.stats import (RateCombination, SignFlips, block_diffs, cold_start_level, combination_cells,
+                                    conditional, holm, permutation_p, pooled_combination, t_half_width, tost_p,
+                                    welch_diff_ci)
 from moe_lab.launch.design import COLLAPSE, Contrast
 from moe_lab.launch.spec import parse_experiment
 from moe_lab.store.run_folder import as_results
