@@ -73,6 +73,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # an orphan nobody reaps is dead all the same
 
 
+def _as_from_a_terminal() -> None:
+    # A suite started in the background by a non-interactive shell (`pytest &`) inherits SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler in the runner: the runner would train on through the
+    # "Ctrl-C". A command typed at a terminal starts with SIGINT at its default, as here.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _stop(proc: subprocess.Popen, workers: list[int]) -> None:
+    """Whatever the test's outcome, nothing it started keeps running (the runner, its workers)."""
+    for pid in [proc.pid, *workers]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 def _launch_runner(tmp_path: Path, cache: Path) -> tuple[subprocess.Popen, Path]:
     """`moe-lab run --jobs 2` on two long tiny runs, returned once both workers are training."""
     exp = tiny_exp(cache, steps=2000, arms=("grpo", "gspo"))
@@ -82,7 +97,8 @@ def _launch_runner(tmp_path: Path, cache: Path) -> tuple[subprocess.Popen, Path]
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "moe_lab.cli", "run", str(path), "--out", str(out), "--jobs", "2",
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                            preexec_fn=_as_from_a_terminal)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         states = [json.loads(p.read_text()).get("status") for p in out.glob("runs/*/manifest.json")]
@@ -110,7 +126,10 @@ def test_ctrl_c_stops_workers_marks_runs_and_exits_130(tmp_path, cache):
     proc, out = _launch_runner(tmp_path, cache)
     workers = _children(proc.pid)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        _stop(proc, workers)
     assert proc.returncode == 130, (stdout, stderr)
     assert "Traceback" not in stderr and "Resume with" in stderr and "--out" in stderr, stderr
     assert not [w for w in workers if _alive(w)]
