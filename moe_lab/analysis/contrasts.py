@@ -196,30 +196,40 @@ def _p(p: float) -> str:
     return format_p(p) if math.isfinite(p) else "n/a"
 
 
+def _markdown(caption: str, columns: list[str], table: pd.DataFrame, cells) -> str:
+    """A declared-contrasts table: its caption, then one markdown row per contrast; ``cells(r)`` gives a row's
+    cells after the setting and the contrast, the per-cold-start differences going where ``columns`` names them."""
+    lines = [caption, "", "| " + " | ".join(["setting", "contrast", *columns]) + " |",
+             "|" + "---|" * (len(columns) + 2)]
+    for r in table.itertuples():
+        row = [r.setting, f"{r.arm} − {r.vs}", *cells(r)]
+        if "per cold start" in columns:
+            blocks = ", ".join(f"{k}: {_signed(v)}" for k, v in r.per_block.items())
+            row.insert(2 + columns.index("per cold start"), blocks)
+        lines.append("| " + " | ".join(map(str, row)) + " |")
+    return "\n".join(lines)
+
+
 def format_declared(table: pd.DataFrame, column: str = "primary") -> str:
     """The declared-contrasts table `moe-lab compare` prints after the pairwise ones."""
     if column == COLLAPSE:
         return format_collapse(table)
     family = ("primary endpoint only" if COLLAPSE not in table.attrs.get("holm_family", ()) else
               "primary endpoint only, counted with the primary contrasts of the collapse rate")
-    lines = [f"declared contrasts on the {column} endpoint, the cold start as the unit: difference, its 95% interval "
-             "over cold starts (t on the per-cold-start differences, m - 1 df; what a new cold start would show), "
-             f"TOST where a margin is declared and Holm over the primary rows ({family}); beside it, "
-             "labelled, the 95% interval conditional on these cold starts only (stratified Welch: run-to-run noise "
-             "within them)",
-             "", "| setting | contrast | role | n | cold starts | difference, 95% over cold starts | df | p | "
-             "equivalence: margin, 90% interval, TOST p | Holm p | conditional on these cold starts: 95%, df, p | "
-             "per cold start | run-level Welch 95%, permutation p | collapsed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in table.itertuples():
-        blocks = ", ".join(f"{k}: {_signed(v)}" for k, v in r.per_block.items())
-        lines.append(
-            f"| {r.setting} | {r.arm} − {r.vs} | {r.role} | {r.n} vs {r.n_vs} | {r.blocks} | "
-            f"{_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}] | {r.df:.1f} | {_p(r.p)} | {_equivalence(r)} | "
-            f"{_p(r.holm_p)} | [{_signed(r.cond_lo)}, {_signed(r.cond_hi)}], {r.cond_df:.1f}, {_p(r.cond_p)} | "
-            f"{blocks} | {_signed(r.welch_diff)} [{_signed(r.welch_lo)}, {_signed(r.welch_hi)}], "
-            f"{_p(r.perm_p)} | {r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} |")
-    return "\n".join(lines)
+    caption = (f"declared contrasts on the {column} endpoint, the cold start as the unit: difference, its 95% interval "
+               "over cold starts (t on the per-cold-start differences, m - 1 df; what a new cold start would show), "
+               f"TOST where a margin is declared and Holm over the primary rows ({family}); beside it, "
+               "labelled, the 95% interval conditional on these cold starts only (stratified Welch: run-to-run noise "
+               "within them)")
+    columns = ["role", "n", "cold starts", "difference, 95% over cold starts", "df", "p",
+               "equivalence: margin, 90% interval, TOST p", "Holm p", "conditional on these cold starts: 95%, df, p",
+               "per cold start", "run-level Welch 95%, permutation p", "collapsed"]
+    return _markdown(caption, columns, table, lambda r: [
+        r.role, f"{r.n} vs {r.n_vs}", str(r.blocks), f"{_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}]",
+        f"{r.df:.1f}", _p(r.p), _equivalence(r), _p(r.holm_p),
+        f"[{_signed(r.cond_lo)}, {_signed(r.cond_hi)}], {r.cond_df:.1f}, {_p(r.cond_p)}",
+        f"{_signed(r.welch_diff)} [{_signed(r.welch_lo)}, {_signed(r.welch_hi)}], {_p(r.perm_p)}",
+        f"{r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs}"])
 
 
 def _equivalence(r) -> str:
@@ -230,23 +240,20 @@ def _equivalence(r) -> str:
 
 def format_collapse(table: pd.DataFrame) -> str:
     """The table of declared contrasts of the collapse rate."""
-    lines = ["declared contrasts of the collapse rate, the cold start as the unit: per cold start, each arm's share of "
-             "RL seeds whose run a collapse rule stopped; the mean over cold starts of the per-cold-start difference, "
-             "the exact two-sided sign-flip p over cold starts; the 95% interval is the union of the one that inverts "
-             "the sign-flip test (subset means) and Newcombe's hybrid score interval of the arms' rates pooled over "
-             "the cold starts (Wilson per arm; MOVER-Wilson for an interaction), clipped to the range a rate "
-             "difference can take; TOST where a margin is declared (the larger p of the two methods: below 0.05 "
-             "exactly when the 90% union lies inside the margin) and Holm over the primary rows, counted with the "
-             "primary contrasts of the primary endpoint",
-             "", "| setting | contrast | role | collapsed | cold starts | rate difference, 95% interval (sign-flip ∪ "
-             "Newcombe) | sign-flip 95%; Newcombe 95% | sign-flip p | equivalence: margin, 90% interval (sign-flip ∪ "
-             "Newcombe), TOST p | Holm p | per cold start |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in table.itertuples():
-        blocks = ", ".join(f"{k}: {_signed(v)}" for k, v in r.per_block.items())
-        lines.append(
-            f"| {r.setting} | {r.arm} − {r.vs} | {r.role} | {r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs} | "
-            f"{r.blocks} | {_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}] | "
-            f"[{_signed(r.signflip_lo)}, {_signed(r.signflip_hi)}]; [{_signed(r.score_lo)}, {_signed(r.score_hi)}] | "
-            f"{_p(r.p)}{'' if r.exact else ' (MC)'} | {_equivalence(r)} | {_p(r.holm_p)} | {blocks} |")
-    return "\n".join(lines)
+    caption = ("declared contrasts of the collapse rate, the cold start as the unit: per cold start, each arm's share "
+               "of RL seeds whose run a collapse rule stopped; the mean over cold starts of the per-cold-start "
+               "difference, the exact two-sided sign-flip p over cold starts; the 95% interval is the union of the one "
+               "that inverts "
+               "the sign-flip test (subset means) and Newcombe's hybrid score interval of the arms' rates pooled over "
+               "the cold starts (Wilson per arm; MOVER-Wilson for an interaction), clipped to the range a rate "
+               "difference can take; TOST where a margin is declared (the larger p of the two methods: below 0.05 "
+               "exactly when the 90% union lies inside the margin) and Holm over the primary rows, counted with the "
+               "primary contrasts of the primary endpoint")
+    columns = ["role", "collapsed", "cold starts", "rate difference, 95% interval (sign-flip ∪ Newcombe)",
+               "sign-flip 95%; Newcombe 95%", "sign-flip p",
+               "equivalence: margin, 90% interval (sign-flip ∪ Newcombe), TOST p", "Holm p", "per cold start"]
+    return _markdown(caption, columns, table, lambda r: [
+        r.role, f"{r.collapsed}/{r.n} vs {r.collapsed_vs}/{r.n_vs}", str(r.blocks),
+        f"{_signed(r.diff)} [{_signed(r.lo)}, {_signed(r.hi)}]",
+        f"[{_signed(r.signflip_lo)}, {_signed(r.signflip_hi)}]; [{_signed(r.score_lo)}, {_signed(r.score_hi)}]",
+        f"{_p(r.p)}{'' if r.exact else ' (MC)'}", _equivalence(r), _p(r.holm_p)])

@@ -130,7 +130,8 @@ def design(folder: ResultsFolder, exp: Experiment, n_runs: int, where: str) -> l
     command = f"moe-lab run {exp.name or folder.path.name} --out {where}"
     command += "".join(f" {k}={v}" for k, v in over.items())
     lines += ["", f"Command: `{command}`" + (" (the fields after the folder are where every run's config differs "
-                                             "from the experiment file's expansion at today's code)" if over else "")
+                                             "from the experiment file's expansion by the current code)"
+                                             if over else "")
               + f"; {n_runs} run folders."]
     return lines
 
