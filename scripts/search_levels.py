@@ -11,7 +11,7 @@ import argparse
 import json
 import subprocess
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 
@@ -46,14 +46,22 @@ def markdown(frame) -> str:
 
 
 def load(out: Path) -> list[dict]:
+    """The finished levels' records, one per level: a level recorded twice (two runners on one folder, say one
+    started with --only while another ran) keeps its first record; a rerun's measurements repeat the bits anyway."""
     path = out / "levels.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    first = {}
+    for record in records:
+        first.setdefault(record["level"], record)
+    return list(first.values())
 
 
 def run_levels(out: Path, todo: Iterable, run_level: Callable[[tuple], dict], write_table: Callable, jobs: int,
                first: Callable[[tuple], bool] = lambda level: False) -> list[dict]:
     """Run ``todo`` (levels not yet in OUT/levels.jsonl): the levels ``first`` selects alone and in order, then the
-    rest ``jobs`` at a time; each record is appended as it finishes and the table rewritten."""
+    rest ``jobs`` at a time; each record is appended as soon as its level finishes (not in declared order: a slow
+    level must not hold back the records of faster ones that a stop would otherwise lose) and the table
+    rewritten."""
     records = load(out)
     todo = list(todo)
     head = [lv for lv in todo if first(lv)]
@@ -71,4 +79,4 @@ def run_levels(out: Path, todo: Iterable, run_level: Callable[[tuple], dict], wr
 
 def _stream(pool, head: list, rest: list, run_level):
     yield from map(run_level, head)
-    yield from pool.map(run_level, rest)
+    yield from (future.result() for future in as_completed([pool.submit(run_level, lv) for lv in rest]))

@@ -144,8 +144,9 @@ def in_band(rows: dict, key: str) -> bool | None:
 def table(records: list[dict]) -> list[dict]:
     base = next((r for r in records if r["factor"] == "base"), None)
     base_step = base["pilot"]["step_s"] if base else math.nan
+    order = {lv[1]: i for i, lv in enumerate(LEVELS)}  # declared order, the combined level last
     out = []
-    for r in records:
+    for r in sorted(records, key=lambda r: order.get(r["level"], len(order))):
         rows = {**fidelity_rows(r["fidelity"]), **fidelity_rows(r["pilot"].get("fidelity", {}))}
         row = {"factor": r["factor"], "level": r["level"]}
         if "error" in r["fidelity"]:
