@@ -92,6 +92,62 @@ def test_concurrent_publication_keeps_the_first_entry(tmp_path):
     assert (final / META_FILE).read_text() == "first" and not ours.exists()
 
 
+def test_a_live_builder_of_the_same_entry_is_waited_for_not_duplicated(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+    import sys
+    import threading
+
+    cfg = tiny(tmp_path)
+    built = cold_start(cfg, progress=False)  # what the other builder will publish
+    key, root = built.name, built.parent
+    done = root.parent / "done"
+    shutil.move(str(built), str(done))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp = root / f"{coldstart.TMP_PREFIX}{key[:16]}-{other.pid}@{coldstart.socket.gethostname()}-abc123"
+        tmp.mkdir()
+        assert coldstart.live_builder(root, key) == other.pid
+        assert coldstart.live_builder(root, "f" * 64) is None  # another key's builder is not ours
+
+        def publish():  # the other builder finishes: its entry appears, its temporary folder goes
+            shutil.move(str(done), str(root / key))
+            tmp.rmdir()
+
+        timer = threading.Timer(0.3, publish)
+        monkeypatch.setattr(coldstart, "BUILDER_POLL_S", 0.05)
+
+        def no_training(*args, **kwargs):
+            raise AssertionError("the entry another process builds must not be trained again")
+
+        monkeypatch.setattr(coldstart, "warm_up", no_training)
+        timer.start()
+        assert cold_start(cfg, progress=False) == root / key
+        timer.join()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_dead_builder_is_not_waited_for(tmp_path):
+    cfg = tiny(tmp_path)
+    root = tmp_path / "cache"
+    root.mkdir()
+    gone = subprocess_pid_that_exited()
+    (root / f"{coldstart.TMP_PREFIX}{cache_key(cfg)[:16]}-{gone}@{coldstart.socket.gethostname()}-abc123").mkdir()
+    assert coldstart.live_builder(root, cache_key(cfg)) is None
+    assert cold_start(cfg, progress=False) == root / cache_key(cfg)  # built here, leftover removed
+    assert [p.name for p in root.iterdir()] == [cache_key(cfg)]
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
 # --------------------------------------------------------------------------- supervised loss
 
 

@@ -241,6 +241,32 @@ def clean_dead_tmp(root: Path) -> list[Path]:
     return removed
 
 
+def live_builder(root: Path, key: str) -> int | None:
+    """PID of another live process on this host now building key's entry (its .tmp folder), else None."""
+    if not Path(root).is_dir():
+        return None
+    for p in Path(root).iterdir():
+        m = _TMP_NAME.match(p.name)
+        if (m and p.name.startswith(f"{TMP_PREFIX}{key[:16]}-") and m.group(2) == socket.gethostname()
+                and int(m.group(1)) != os.getpid() and _pid_alive(int(m.group(1)))):
+            return int(m.group(1))
+    return None
+
+
+BUILDER_POLL_S = 5.0
+
+
+def wait_for_builder(root: Path, key: str) -> None:
+    """Wait while another live process on this host builds the same entry, so that it is built once: a cold start
+    takes up to an hour or two at 65 response tokens, and two runners (an experiment and a search, or a build
+    started ahead of the run that needs it) would otherwise each train it. Returns when that builder has published
+    or gone; two processes that arrive within the same instant both build, and the first to publish wins
+    (``_publish``), as before. A writer's PID reused by an unrelated process would keep us waiting: the same
+    assumption ``clean_dead_tmp`` makes."""
+    while live_builder(root, key) is not None and not (Path(root) / key).exists():
+        time.sleep(BUILDER_POLL_S)
+
+
 def entry_problem(entry: Path, key: str) -> str:
     """'' when the cache entry is complete and every weight reads back; else what is wrong with it."""
     import safetensors
@@ -340,6 +366,8 @@ def cold_start(cfg: RunConfig, *, cache: bool = True, progress: bool = True) -> 
     key, root = cache_key(cfg), cache_root(cfg)
     final = root / key
     clean_dead_tmp(root)
+    if cache and not final.exists():
+        wait_for_builder(root, key)
     if cache and final.exists():
         problem = entry_problem(final, key)
         if not problem:
