@@ -51,8 +51,9 @@ compare` reads; nothing here is a contrast. The experiment the search chooses an
 own file before its runs (issue 62, part 3).
 
 Usage: python scripts/where_grpo_fails_search.py OUT [--only LEVEL,...] [--jobs N] [--table-only]
-Writes OUT/levels.jsonl (one line per finished level; resumable), OUT/pilots/<level>/ (the pilot runs) and
-OUT/table.md, OUT/table.csv: factor, level -> fidelity rows -> collapses -> step cost.
+Writes OUT/levels.jsonl (one line per finished level; resumable), OUT/fidelity/<level>.json (each fidelity call,
+kept for a resume), OUT/pilots/<level>/ (the pilot runs) and OUT/table.md, OUT/table.csv: factor, level -> fidelity
+rows -> collapses -> step cost.
 """
 
 from __future__ import annotations
@@ -123,11 +124,26 @@ def pilot(out: Path, name: str, overrides: list[str], seeds: str) -> dict:
     return {**record, "fidelity": run_json([sys.executable, "-m", "moe_lab.cli", "fidelity", str(folder), "--json"])}
 
 
+def fidelity_call(out: Path, name: str, cmd: list[str]) -> dict:
+    """The level's fidelity call, kept in OUT/fidelity/<level>.json with its command, so that a search stopped
+    during the pilot (a session's end) does not repeat it on resuming: at 65-129 response tokens it takes 10-20
+    minutes. A kept record whose command differs (an amended level), or that failed, is run again."""
+    kept = out / "fidelity" / f"{name}.json"
+    args = cmd[1:]  # not the interpreter's path
+    if kept.is_file():
+        record = json.loads(kept.read_text())
+        if record.get("command") == args and "error" not in record["fidelity"]:
+            return record["fidelity"]
+    fidelity = run_json(cmd)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps({"command": args, "fidelity": fidelity}) + "\n", encoding="utf-8")
+    return fidelity
+
+
 def run_level(out: Path, level: tuple, seed_override: tuple = ()) -> dict:
     factor, name, overrides = level
-    fidelity = run_json([sys.executable, "-m", "moe_lab.cli", "fidelity", BASE, *FIDELITY_BASE, *overrides,
-                         *seed_override[:1],
-                         *FIDELITY_ARGS])
+    fidelity = fidelity_call(out, name, [sys.executable, "-m", "moe_lab.cli", "fidelity", BASE, *FIDELITY_BASE,
+                                         *overrides, *seed_override[:1], *FIDELITY_ARGS])
     seeds = seed_override[1] if seed_override else PILOT_SEEDS
     return {"factor": factor, "level": name, "overrides": overrides, "fidelity": fidelity,
             "pilot": pilot(out, name, overrides, seeds)}
