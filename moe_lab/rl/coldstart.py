@@ -228,14 +228,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _local_writers(root: Path):
+    """(folder, pid, alive) of each .tmp-* folder in root written by a process of this host."""
+    if not Path(root).is_dir():
+        return
+    for p in Path(root).iterdir():
+        m = _TMP_NAME.match(p.name)
+        if m and p.is_dir() and m.group(2) == socket.gethostname():
+            yield p, int(m.group(1)), _pid_alive(int(m.group(1)))
+
+
 def clean_dead_tmp(root: Path) -> list[Path]:
     """Remove .tmp-* folders whose writer (on this host) is gone; returns them. Live writers are left alone."""
     removed = []
-    if not Path(root).is_dir():
-        return removed
-    for p in Path(root).iterdir():
-        m = _TMP_NAME.match(p.name)
-        if m and p.is_dir() and m.group(2) == socket.gethostname() and not _pid_alive(int(m.group(1))):
+    for p, _, alive in list(_local_writers(root)):
+        if not alive:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -243,14 +250,8 @@ def clean_dead_tmp(root: Path) -> list[Path]:
 
 def live_builder(root: Path, key: str) -> int | None:
     """PID of another live process on this host now building key's entry (its .tmp folder), else None."""
-    if not Path(root).is_dir():
-        return None
-    for p in Path(root).iterdir():
-        m = _TMP_NAME.match(p.name)
-        if (m and p.name.startswith(f"{TMP_PREFIX}{key[:16]}-") and m.group(2) == socket.gethostname()
-                and int(m.group(1)) != os.getpid() and _pid_alive(int(m.group(1)))):
-            return int(m.group(1))
-    return None
+    return next((pid for p, pid, alive in _local_writers(root)
+                 if alive and pid != os.getpid() and p.name.startswith(f"{TMP_PREFIX}{key[:16]}-")), None)
 
 
 BUILDER_POLL_S = 5.0
